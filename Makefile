@@ -1,0 +1,48 @@
+# vllm-kvchecksum: the patch series against vLLM v0.32.0 and its workbench.
+# `make help` lists the targets; the README explains each.
+
+VLLM_DEVICE ?= cpu
+VLLM_VERSION ?= 0.34.0
+VLLM_SRC ?=
+PY := .venv/bin/python
+WORKBENCH := cd scripts && ../$(PY) -m workbench
+
+.PHONY: help setup test test-unit test-upstream apply unapply refresh check-series rebase-check bench clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
+
+setup: ## build .venv: vLLM v0.32.0 + series in build/vllm, importable (VLLM_DEVICE=cpu|cuda)
+	VLLM_DEVICE=$(VLLM_DEVICE) FORCE=$(FORCE) ci/setup.sh
+
+test: setup ## every test: package, workbench, integration, upstream gate
+	ci/test.sh
+
+test-unit: setup ## the project's own tests only (tests/)
+	$(PY) -m pytest -p no:cacheprovider -q -n 2 tests
+
+test-upstream: setup ## the upstream regression gate alone
+	$(WORKBENCH) upstream --jobs 2
+
+apply: ## apply the series to VLLM_SRC (a v0.32.0 git checkout or unpacked tree)
+	@test -n "$(VLLM_SRC)" || { echo "usage: make apply VLLM_SRC=/path/to/vllm-0.32.0" >&2; exit 2; }
+	@$(WORKBENCH) apply "$(abspath $(VLLM_SRC))"
+
+unapply: ## remove the series from VLLM_SRC
+	@test -n "$(VLLM_SRC)" || { echo "usage: make unapply VLLM_SRC=/path/to/vllm-0.32.0" >&2; exit 2; }
+	@$(WORKBENCH) unapply "$(abspath $(VLLM_SRC))"
+
+refresh: ## rewrite patches/ from the commits on top of the base in build/vllm
+	@$(WORKBENCH) refresh
+
+check-series: setup ## every prefix of the series applies, imports, passes its tests
+	ci/check-series.sh
+
+rebase-check: setup ## report how the series applies to VLLM_VERSION (default 0.34.0)
+	ci/rebase-check.sh $(VLLM_VERSION)
+
+bench: setup ## checksum benchmarks (figures in docs/performance.md)
+	$(PY) scripts/bench_checksum.py
+
+clean: ## remove build/ (downloads included) and .venv
+	rm -rf build .venv

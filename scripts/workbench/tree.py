@@ -1,0 +1,137 @@
+"""The maintainer's vLLM checkout in build/vllm: downloads, base, series sync."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from .series import (BASE_TAG, BASE_VERSION, Patch, SeriesError, format_series, init_base_repo, read_series,
+                     run)
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "build"
+DL = BUILD / "dl"
+PATCHES = ROOT / "patches"
+TREE = BUILD / "vllm"
+SYNC_STAMP = "kvchecksum-synced"
+
+
+def log(msg: str) -> None:
+    print(f"[workbench] {msg}", flush=True)
+
+
+def download_sdist(version: str = BASE_VERSION) -> Path:
+    """The PyPI sdist of a vLLM release (a full checkout, tests included), cached in build/dl."""
+    DL.mkdir(parents=True, exist_ok=True)
+    target = DL / f"vllm-{version}.tar.gz"
+    if target.exists():
+        return target
+    log(f"downloading the vLLM {version} sdist from PyPI")
+    env = dict(os.environ, VLLM_TARGET_DEVICE="empty", VLLM_SKIP_VERSION_SUFFIX="1")
+    with tempfile.TemporaryDirectory(prefix="kvcs-dl-", dir=DL) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-build-isolation",
+                        "--no-binary", ":all:", f"vllm=={version}", "-d", tmp], check=True, env=env)
+        got = Path(tmp) / target.name
+        if not got.exists():
+            raise SeriesError(f"pip download gave {os.listdir(tmp)}, not {target.name}")
+        got.rename(target)
+    return target
+
+
+def download_wheel(dist: str, version: str = BASE_VERSION) -> Path:
+    DL.mkdir(parents=True, exist_ok=True)
+    prefix = dist.replace("-", "_") + f"-{version}-"
+    found = sorted(DL.glob(prefix + "*.whl"))
+    if found:
+        return found[-1]
+    log(f"downloading the {dist} {version} wheel (its compiled ops)")
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                    f"{dist}=={version}", "-d", str(DL)], check=True)
+    found = sorted(DL.glob(prefix + "*.whl"))
+    if not found:
+        raise SeriesError(f"pip download of {dist}=={version} left no {prefix}*.whl in {DL}")
+    return found[-1]
+
+
+def unpack_sdist(sdist: Path, dest: Path) -> None:
+    """Unpack an sdist's top folder as `dest`."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    with tempfile.TemporaryDirectory(prefix="kvcs-unpack-", dir=dest.parent) as tmp:
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        (top,) = Path(tmp).iterdir()
+        top.rename(dest)
+
+
+def make_base_tree(dest: Path, sdist: Path) -> None:
+    unpack_sdist(sdist, dest)
+    init_base_repo(dest)
+
+
+def _formatted(tree: Path) -> dict[str, bytes]:
+    with tempfile.TemporaryDirectory(prefix="kvcs-fmt-") as tmp:
+        return {f.name: f.read_bytes() for f in format_series(tree, Path(tmp))}
+
+
+def _wanted(patches: list[Patch]) -> dict[str, bytes]:
+    return {p.name: p.path.read_bytes() for p in patches}
+
+
+def _digest(files: dict[str, bytes]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + files[name] + b"\0")
+    return h.hexdigest()
+
+
+def sync_tree(tree: Path = TREE, force: bool = False) -> str:
+    """Bring build/vllm to base + patches/, keeping any unrefreshed work.
+
+    The tree is reset only if its commits are the ones the last sync put
+    there (patches/ changed, e.g. after a pull), or with force, which first
+    saves HEAD as a backup branch. Commits made since the last sync and not
+    yet refreshed are refused, not thrown away.
+    """
+    patches = read_series(PATCHES)
+    if not (tree / ".git").exists():
+        log(f"creating {tree.relative_to(ROOT)} from the v{BASE_VERSION} sdist")
+        make_base_tree(tree, download_sdist())
+    dirty = run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree).stdout.strip()
+    if dirty:
+        raise SeriesError(
+            f"{tree} has uncommitted edits:\n{dirty}\nCommit them and run `make refresh`, or discard "
+            "them (git -C build/vllm checkout -- .), then run make setup again.")
+    current = _formatted(tree)
+    wanted = _wanted(patches)
+    if current == wanted:
+        return "build/vllm is current with patches/"
+    stamp = tree / ".git" / SYNC_STAMP
+    last = stamp.read_text().strip() if stamp.exists() else None
+    head = run(["git", "rev-parse", "HEAD"], cwd=tree).stdout.strip()
+    base = run(["git", "rev-parse", BASE_TAG], cwd=tree).stdout.strip()
+    if head != base and _digest(current) != last:
+        if not force:
+            raise SeriesError(
+                "build/vllm has commits that are not in patches/ (edited since the last sync). "
+                "Run `make refresh` to write them to patches/, or `make setup FORCE=1` to reset "
+                "build/vllm to patches/ (HEAD is kept as a backup branch).")
+        backup = f"backup/{head[:12]}"
+        run(["git", "branch", "-f", backup, head], cwd=tree)
+        log(f"kept the old build/vllm HEAD as branch {backup}")
+    run(["git", "checkout", "-q", "-B", "series", BASE_TAG], cwd=tree)
+    for patch in patches:
+        result = run(["git", "am", "-q", "--committer-date-is-author-date", str(patch.path)], cwd=tree,
+                     check=False)
+        if result.returncode != 0:
+            run(["git", "am", "--abort"], cwd=tree, check=False)
+            raise SeriesError(f"{patch.name} does not apply on the base:\n{result.stdout}{result.stderr}")
+    stamp.write_text(_digest(_formatted(tree)) + "\n")
+    return f"build/vllm: base + {len(patches)} patches"

@@ -1,0 +1,147 @@
+"""The upstream regression gate: vLLM's own tests of what the series touches.
+
+`tests/upstream/gate-files.txt` lists the upstream test files. The baseline,
+`tests/upstream/baseline.txt`, holds the ids of the tests that passed on the
+unpatched v0.32.0 base on this CPU setup (recorded with `--record` on a
+pristine tree). The gate runs the files on the patched tree and fails on any
+baseline test that does not pass now, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .series import BASE_TAG, run
+from .tree import BUILD, ROOT, TREE, log
+
+UPSTREAM = ROOT / "tests" / "upstream"
+GATE_FILES = UPSTREAM / "gate-files.txt"
+BASELINE = UPSTREAM / "baseline.txt"
+HF_CONFIGS = UPSTREAM / "hf-configs"
+HF_HOME = BUILD / "hf-home"
+# One test may not hold the gate hostage (a hang waiting on a peer, say).
+TEST_TIMEOUT_S = 600
+
+
+def gate_files() -> list[str]:
+    return [ln.split("#", 1)[0].strip() for ln in GATE_FILES.read_text().splitlines()
+            if ln.split("#", 1)[0].strip()]
+
+
+def write_hf_cache() -> Path:
+    """Config-only Hugging Face cache entries, so upstream tests resolve models offline.
+
+    Each folder `hf-configs/ORG__NAME/` holds the public config files of one
+    model (no weights); it becomes `hub/models--ORG--NAME/snapshots/<rev>/`.
+    """
+    hub = HF_HOME / "hub"
+    rev = "0" * 40
+    for model in sorted(p for p in HF_CONFIGS.iterdir() if p.is_dir()) if HF_CONFIGS.exists() else []:
+        org, _, name = model.name.partition("__")
+        repo = hub / f"models--{org}--{name}"
+        snap = repo / "snapshots" / rev
+        snap.mkdir(parents=True, exist_ok=True)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(rev)
+        for f in model.iterdir():
+            if f.is_file() and (not (snap / f.name).exists() or (snap / f.name).read_bytes() != f.read_bytes()):
+                (snap / f.name).write_bytes(f.read_bytes())
+    return HF_HOME
+
+
+def gate_env(tree: Path) -> dict:
+    env = dict(os.environ)
+    env.update({
+        "HF_HOME": str(HF_HOME), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(tree), str(Path(__file__).parent)]),
+        "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false",
+        # Each file gets one core; torch must not oversubscribe the two here.
+        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    })
+    return env
+
+
+def run_file(tree: Path, rel: str, out_dir: Path) -> tuple[str, dict[str, str], float, str]:
+    outcomes = out_dir / (rel.replace("/", "__") + ".txt")
+    outcomes.unlink(missing_ok=True)
+    env = gate_env(tree)
+    env["KVCS_OUTCOMES"] = str(outcomes)
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "outcomes_plugin",
+           "-p", "no:randomly", f"--timeout={TEST_TIMEOUT_S}", rel]
+    log_path = out_dir / (rel.replace("/", "__") + ".log")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.run(cmd, cwd=tree, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    elapsed = time.monotonic() - start
+    results = {}
+    if outcomes.exists():
+        for line in outcomes.read_text().splitlines():
+            outcome, _, nodeid = line.partition(" ")
+            results[nodeid] = outcome
+    tail = log_path.read_text().strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+    return rel, results, elapsed, tail[0]
+
+
+def pristine_tree() -> Path:
+    """A worktree of build/vllm at the unpatched base, with the ops."""
+    from .runtime import DEVICE_WHEELS, install_ops
+    from .tree import download_sdist, download_wheel
+
+    wt = BUILD / "upstream-base"
+    if not (wt / ".git").exists():
+        run(["git", "worktree", "prune"], cwd=TREE)
+        run(["git", "worktree", "add", "-q", "--detach", "--force", str(wt), BASE_TAG], cwd=TREE)
+    run(["git", "reset", "-q", "--hard", BASE_TAG], cwd=wt)
+    install_ops(download_wheel(DEVICE_WHEELS["cpu"]["dist"]), download_sdist(), wt)
+    return wt
+
+
+def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only: list[str] | None = None) -> int:
+    write_hf_cache()
+    if tree is None:
+        tree = pristine_tree() if record else TREE
+    files = only or gate_files()
+    out_dir = BUILD / "upstream" / ("base" if record else "patched")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log(f"upstream gate on {tree}: {len(files)} files, {jobs} at a time (logs in {out_dir.relative_to(ROOT)})")
+    start = time.monotonic()
+    # Longest files first, from the last run's timings, so the two lanes finish together.
+    timings_path = out_dir / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    order = sorted(files, key=lambda f: -timings.get(f, 1e9))
+    all_results: dict[str, str] = {}
+    counts = {}
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for rel, results, elapsed, tail in pool.map(lambda f: run_file(tree, f, out_dir), order):
+            timings[rel] = elapsed
+            all_results.update(results)
+            c = {k: sum(1 for v in results.values() if v == k) for k in sorted(set(results.values()))}
+            counts[rel] = c
+            log(f"  {rel}: {', '.join(f'{v} {k}' for k, v in c.items()) or 'no results'} ({elapsed:.0f} s) | {tail}")
+    timings_path.write_text(json.dumps(timings, indent=1, sort_keys=True))
+    (out_dir / "counts.json").write_text(json.dumps(counts, indent=1, sort_keys=True))
+    log(f"upstream gate took {time.monotonic() - start:.0f} s")
+    passed = sorted(n for n, o in all_results.items() if o == "passed")
+    if record:
+        BASELINE.write_text("".join(n + "\n" for n in passed))
+        log(f"recorded {len(passed)} passing tests in {BASELINE.relative_to(ROOT)}")
+        return 0
+    baseline = [ln.strip() for ln in BASELINE.read_text().splitlines() if ln.strip()]
+    if only:
+        baseline = [n for n in baseline if n.split("::", 1)[0] in files]
+    regressed = [n for n in baseline if all_results.get(n) != "passed"]
+    total = sum(1 for o in all_results.values() if o == "passed")
+    if regressed:
+        print(f"\nupstream gate FAILED: {len(regressed)} of {len(baseline)} baseline tests do not pass "
+              "on the patched tree:", flush=True)
+        for n in regressed:
+            print(f"  {all_results.get(n, 'not run')}: {n}", flush=True)
+        return 1
+    print(f"\nupstream gate: {len(baseline)} passed, 0 failed (baseline tests; {total} passed in all)", flush=True)
+    return 0
