@@ -43,6 +43,10 @@ def check_series(device: str = "cpu", pytest_args: list[str] | None = None) -> i
         raise SeriesError("patches/series is empty")
     wt = _prefix_tree(device)
     env = dict(os.environ, PYTHONPATH=f"{wt}{os.pathsep}{ROOT}", KVCS_VLLM_TREE=str(wt))
+    if device == "cpu":
+        # On PYTHONPATH the tree's own vllm.egg-info (0.32.0, from the sdist)
+        # shadows the 0.32.0+cpu dist-info that platform detection reads.
+        env["VLLM_TARGET_DEVICE"] = "cpu"
     failures = []
     for i, patch in enumerate(patches, 1):
         log(f"[{i}/{len(patches)}] {patch.name}")
