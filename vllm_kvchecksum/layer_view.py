@@ -1,0 +1,277 @@
+"""LayerView: one layer's KV cache seen as 8-byte pieces, ready to checksum.
+
+The worker builds one LayerView per layer of every checksummed KV cache
+group at startup, and calls accumulate() in the steps where requests finish
+their prefill (producer) or their load (consumer). The public
+layer_block_checksums() uses the same class, so a user debugging a transfer
+gets exactly the values the worker computes.
+
+A view never copies the cache: it keeps an int64 view of each cache tensor
+in its own memory order, plus the strides the code paths need to walk it as
+[kernel block, head, token, piece].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from vllm_kvchecksum.definition import (MAX_KV_HEADS_PER_LAYER, PIECE_BITS,
+                                        PIECE_BITS_SUPPORTED, PIECE_BYTES,
+                                        slice_factor_base)
+
+LAYOUTS = ("HND", "NHD")
+PATHS = ("auto", "torch", "triton")
+
+# Layers are numbered from their names; the bound keeps layer * H + head,
+# which the kernel takes as a run-time integer, far from int64 overflow.
+MAX_LAYER = 2**32
+
+
+@dataclass(frozen=True)
+class CachePieces:
+    """One cache tensor of a layer (K, V, or a combined cache) as int64 pieces.
+
+    pieces is a view of the tensor, never a copy, shaped like the tensor with
+    the cell replaced by its pieces: [kernel_blocks, heads, tokens, P_t] for
+    HND, [kernel_blocks, tokens, heads, P_t] for NHD. Within a token of a
+    head, this tensor's pieces come at piece_offset (K before V).
+    """
+
+    pieces: torch.Tensor
+    head_dim: int
+    token_dim: int
+    num_pieces: int
+    piece_offset: int
+
+    @property
+    def block_stride(self) -> int:
+        return self.pieces.stride(0)
+
+    @property
+    def head_stride(self) -> int:
+        return self.pieces.stride(self.head_dim)
+
+    @property
+    def token_stride(self) -> int:
+        return self.pieces.stride(self.token_dim)
+
+
+def _as_pieces(cache: torch.Tensor, name: str, piece_bits: int) -> torch.Tensor:
+    """Reinterpret a 4-D cache's cells as int64 pieces, without a copy."""
+    if cache.dim() != 4:
+        raise ValueError(
+            f"{name} must be 4-D ([kernel_blocks, heads, tokens, cell] or "
+            f"[kernel_blocks, tokens, heads, cell]), got shape "
+            f"{tuple(cache.shape)}")
+    piece_bytes = piece_bits // 8
+    elem = cache.element_size()
+    cell_bytes = cache.shape[-1] * elem
+    if cell_bytes % piece_bytes:
+        raise ValueError(
+            f"{name} has cells of {cell_bytes} bytes ({cache.shape[-1]} x "
+            f"{cache.dtype}), not a multiple of {piece_bytes}-byte pieces; "
+            "such caches cannot be checksummed")
+    if cache.shape[-1] > 1 and cache.stride(-1) != 1:
+        raise ValueError(
+            f"{name}'s cell dimension is not contiguous (stride "
+            f"{cache.stride(-1)} elements); pass a view whose last dimension "
+            "is contiguous")
+    for dim in range(3):
+        if (cache.stride(dim) * elem) % piece_bytes:
+            raise ValueError(
+                f"{name}'s stride of dimension {dim} is "
+                f"{cache.stride(dim) * elem} bytes, not a multiple of "
+                f"{piece_bytes}; pieces would straddle cells")
+    if cache.data_ptr() % piece_bytes:
+        raise ValueError(
+            f"{name} does not start on a {piece_bytes}-byte boundary "
+            "(storage offset); pieces would straddle cells")
+    try:
+        return cache.view(torch.int64)
+    except RuntimeError as exc:  # shapes torch cannot reinterpret
+        raise ValueError(f"{name} cannot be viewed as int64 pieces: {exc}") from exc
+
+
+class LayerView:
+    """One layer's KV cache, checksummed per logical block.
+
+    caches: the layer's cache tensors, [K, V] or [combined], each 4-D in
+      `layout` ("HND": [kernel_blocks, heads, tokens, cell], "NHD":
+      [kernel_blocks, tokens, heads, cell]), any dtype and strides. Cells
+      must be whole 8-byte pieces. For each token of a head, the pieces of
+      caches[0]'s cell come before those of caches[1]'s.
+    block_size: tokens per logical block. The cache's token dimension may be
+      a kernel block size that divides it: logical block b is kernel blocks
+      b*KB .. b*KB+KB-1, KB = block_size / kernel_tokens.
+    layer: the layer number (from the layer's name).
+    first_head: the global index of this rank's first KV head; the rank
+      holds heads first_head .. first_head + heads - 1.
+    path: "auto" (Triton on CUDA when it imports, else PyTorch), "torch" or
+      "triton" (forcing it is for tests and benchmarks; on CPU tensors the
+      kernel runs only under TRITON_INTERPRET=1). The chosen path is the
+      `path` attribute, which may also be reassigned.
+    piece_bits: the piece width; only 64 is implemented.
+    """
+
+    def __init__(self,
+                 caches: Sequence[torch.Tensor] | torch.Tensor,
+                 *,
+                 block_size: int,
+                 layer: int,
+                 first_head: int = 0,
+                 layout: str = "HND",
+                 path: str = "auto",
+                 piece_bits: int = PIECE_BITS):
+        if isinstance(caches, torch.Tensor):
+            caches = [caches]
+        caches = list(caches)
+        if not 1 <= len(caches) <= 2:
+            raise ValueError(
+                f"a layer has 1 (combined) or 2 (K, V) cache tensors, got "
+                f"{len(caches)}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if piece_bits not in PIECE_BITS_SUPPORTED:
+            raise ValueError(
+                f"piece_bits={piece_bits} is not implemented; supported: "
+                f"{PIECE_BITS_SUPPORTED}")
+        if not 0 <= layer < MAX_LAYER:
+            raise ValueError(f"layer must be in [0, {MAX_LAYER}), got {layer}")
+
+        names = ["cache"] if len(caches) == 1 else ["K cache", "V cache"]
+        head_dim, token_dim = (1, 2) if layout == "HND" else (2, 1)
+        pieces = [_as_pieces(c, n, piece_bits) for c, n in zip(caches, names)]
+        shape0 = tuple(pieces[0].shape[:3])
+        for c, p, n in zip(caches, pieces, names):
+            if tuple(p.shape[:3]) != shape0:
+                raise ValueError(
+                    f"{n} has {tuple(p.shape[:3])} (kernel blocks, "
+                    f"{'heads, tokens' if layout == 'HND' else 'tokens, heads'}"
+                    f"), but {names[0]} has {shape0}; a layer's caches must "
+                    "agree on them")
+            if c.device != caches[0].device:
+                raise ValueError(
+                    f"{n} is on {c.device}, {names[0]} on {caches[0].device}")
+
+        kernel_blocks = shape0[0]
+        heads = shape0[head_dim]
+        kernel_tokens = shape0[token_dim]
+        if block_size <= 0 or kernel_tokens <= 0 or block_size % kernel_tokens:
+            raise ValueError(
+                f"kernel blocks of {kernel_tokens} tokens do not tile the "
+                f"block size {block_size}")
+        per_block = block_size // kernel_tokens
+        if kernel_blocks % per_block:
+            raise ValueError(
+                f"{kernel_blocks} kernel blocks of {kernel_tokens} tokens are "
+                f"not a whole number of {block_size}-token blocks")
+        if first_head < 0 or first_head + heads > MAX_KV_HEADS_PER_LAYER:
+            raise ValueError(
+                f"heads {first_head}..{first_head + heads - 1} exceed "
+                f"MAX_KV_HEADS_PER_LAYER={MAX_KV_HEADS_PER_LAYER}; such layers "
+                "cannot be checksummed")
+
+        self.layout = layout
+        self.layer = layer
+        self.first_head = first_head
+        self.block_size = block_size
+        self.kernel_tokens = kernel_tokens
+        self.kernel_blocks_per_block = per_block
+        self.num_blocks = kernel_blocks // per_block
+        self.num_heads = heads
+        self.piece_bits = piece_bits
+        self.device = caches[0].device
+        offset = 0
+        self.caches: list[CachePieces] = []
+        for p in pieces:
+            self.caches.append(CachePieces(p, head_dim, token_dim, p.shape[-1],
+                                           offset))
+            offset += p.shape[-1]
+        self.pieces_per_token = offset
+        self.factor_base = slice_factor_base(layer, first_head)
+        self.path = self._choose_path(path)
+        self._torch_path = None  # weights are set up only if that path runs
+
+    def _choose_path(self, path: str) -> str:
+        from vllm_kvchecksum.kernels import triton_available
+        if path == "auto":
+            use_triton = self.device.type == "cuda" and triton_available()
+            return "triton" if use_triton else "torch"
+        if path == "triton" and not triton_available():
+            raise ValueError("path='triton' was forced but triton does not import")
+        return path
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of KV one logical block holds in this layer (this rank's heads)."""
+        return (self.kernel_blocks_per_block * self.num_heads *
+                self.kernel_tokens * self.pieces_per_token * PIECE_BYTES)
+
+    def accumulate(self, out: torch.Tensor, column: int,
+                   block_ids: torch.Tensor, first_tokens: torch.Tensor,
+                   valid_tokens: torch.Tensor) -> None:
+        """Add this layer's contribution for each row into out[:, column].
+
+        out: int64 [rows, cols] on the cache's device; additions wrap mod
+          2**64 like the definition.
+        block_ids: int64 [rows], logical block ids (< num_blocks).
+        first_tokens: int64 [rows], the request position of each block's
+          first token.
+        valid_tokens: int64 [rows], token slots of each block to include
+          (0 .. block_size); rows with 0 add 0, and their block id is not
+          read.
+        Runs without a host sync when the tensors are on the device.
+        """
+        self._check_rows(out, column, block_ids, first_tokens, valid_tokens)
+        if out.shape[0] == 0:
+            return
+        if self.path == "triton":
+            from vllm_kvchecksum.kernels import triton_kernel
+            triton_kernel.accumulate(self, out, column, block_ids,
+                                     first_tokens, valid_tokens)
+        else:
+            if self._torch_path is None:
+                from vllm_kvchecksum.kernels.torch_path import TorchLayerPath
+                self._torch_path = TorchLayerPath(self)
+            self._torch_path.accumulate(out, column, block_ids, first_tokens,
+                                        valid_tokens)
+
+    def warm_up(self) -> None:
+        """Compile the kernel for this layer's shape with one all-masked row.
+
+        Runs at startup so compilation does not land in the first step that
+        checksums; a no-op on the PyTorch path.
+        """
+        if self.path != "triton":
+            return
+        out = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+        rows = torch.zeros(3, 2, dtype=torch.int64, device=self.device)
+        self.accumulate(out, 0, rows[0, :1], rows[1, :1], rows[2, :1])
+
+    def _check_rows(self, out, column, block_ids, first_tokens,
+                    valid_tokens) -> None:
+        if out.dtype != torch.int64 or out.dim() != 2:
+            raise ValueError(
+                f"out must be an int64 [rows, cols] tensor, got {out.dtype} "
+                f"of shape {tuple(out.shape)}")
+        if out.device != self.device:
+            raise ValueError(
+                f"out is on {out.device}, the cache on {self.device}")
+        if not 0 <= column < out.shape[1]:
+            raise ValueError(
+                f"column {column} is outside out's {out.shape[1]} columns")
+        for name, t in (("block_ids", block_ids), ("first_tokens", first_tokens),
+                        ("valid_tokens", valid_tokens)):
+            if t.dtype != torch.int64 or t.dim() != 1:
+                raise ValueError(f"{name} must be a 1-D int64 tensor")
+            if t.shape[0] != out.shape[0]:
+                raise ValueError(
+                    f"{name} has {t.shape[0]} rows, out has {out.shape[0]}")
+            if t.device != self.device:
+                raise ValueError(
+                    f"{name} is on {t.device}, the cache on {self.device}")

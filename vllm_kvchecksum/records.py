@@ -1,0 +1,150 @@
+"""What the scheduler asks the workers to checksum, and what they report back.
+
+These types cross the scheduler/worker boundary (inside SchedulerOutput and
+KVConnectorOutput), so they are plain, picklable data with no vLLM types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from vllm_kvchecksum.host_copy import PendingHostCopy
+
+# (replicas, replica_index): the TP replication of the layers a partial sum
+# covers. Layers held by one rank only are (1, 0).
+PartialKey = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class GroupBlocks:
+    """The blocks of one KV cache group to checksum for one request.
+
+    `block_ids[i]` holds the request's block at position `start + i`, that
+    is tokens [(start + i) * block_size, (start + i + 1) * block_size).
+    """
+
+    start: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVChecksumBlocks:
+    """One request's blocks to checksum, per KV cache group id.
+
+    Token slots at or past `num_tokens` (in the last block) are left out, so
+    KV written later (decode, drafts) does not change the values.
+    """
+
+    num_tokens: int
+    groups: dict[int, GroupBlocks]
+
+
+@dataclass
+class KVChecksumScheduled:
+    """The scheduler's checksum requests for one step (in SchedulerOutput).
+
+    reqs_to_send: producer requests whose prompt KV the step finishes;
+    checksummed after the step's forward (and drafter).
+    reqs_to_recv: consumer requests whose async load starts in the step;
+    checksummed in the step whose transfer results report the load finished.
+    """
+
+    reqs_to_send: dict[str, KVChecksumBlocks] = field(default_factory=dict)
+    reqs_to_recv: dict[str, KVChecksumBlocks] = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not self.reqs_to_send and not self.reqs_to_recv
+
+
+@dataclass
+class GroupChecksums:
+    """A worker's partial checksums of one group's blocks for one request.
+
+    `partials[key][i]` is the sum over this worker's layers with that
+    replication of block position `start + i`. A producer worker whose
+    layers are all non-zero replicas reports the group with no partials.
+    """
+
+    start: int
+    num_blocks: int
+    block_size: int
+    partials: dict[PartialKey, np.ndarray]
+
+
+@dataclass
+class KVChecksumRecord:
+    """One worker's report for a step.
+
+    Every request the worker was asked for appears in `requests`, with no
+    groups if none of its layers is on this worker, so the scheduler can
+    count which workers reported. `fingerprints` identify the worker's layers
+    per group (summed over PP stages they identify the whole model's);
+    `skipped_groups` lists the groups this worker cannot checksum, with the
+    reason, so a skipped group is not mistaken for a partial sum.
+    `received` holds checksum payloads a connector delivered to this worker
+    (connector-owned carriers), by request id.
+    """
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    fingerprints: dict[int, int]
+    skipped_groups: dict[int, str]
+    requests: dict[str, dict[int, GroupChecksums]] = field(default_factory=dict)
+    num_tokens: dict[str, int] = field(default_factory=dict)
+    received: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def worker(self) -> tuple[int, int]:
+        return (self.pp_rank, self.tp_rank)
+
+
+class KVChecksumOutput:
+    """Checksum records on their way from the workers to the scheduler.
+
+    A worker's values may still be in flight from the device: `finalize`
+    waits for their copy to host memory (the copy's own event, never the
+    main stream), from any thread, and fills the records in. Pickling
+    finalizes first, so the scheduler always receives plain values.
+    """
+
+    def __init__(self, records: list[KVChecksumRecord] | None = None,
+                 pending: list[PendingHostCopy] | None = None):
+        self._records = list(records or [])
+        self._pending = list(pending or [])
+
+    def finalize(self) -> list[KVChecksumRecord]:
+        for copy in self._pending:
+            copy.complete()
+        self._pending = []
+        return self._records
+
+    @property
+    def records(self) -> list[KVChecksumRecord]:
+        return self.finalize()
+
+    def is_empty(self) -> bool:
+        return not self._records
+
+    @staticmethod
+    def aggregate(outputs: list[KVChecksumOutput | None]) -> KVChecksumOutput | None:
+        """Concatenate the records of several workers (TP and PP ranks)."""
+        present = [o for o in outputs if o is not None and not o.is_empty()]
+        if not present:
+            return None
+        return KVChecksumOutput([r for o in present for r in o.finalize()])
+
+    def __getstate__(self):
+        return {"records": self.finalize()}
+
+    def __setstate__(self, state):
+        self._records = state["records"]
+        self._pending = []
+
+    def __repr__(self) -> str:
+        return f"KVChecksumOutput({len(self._records)} records, {len(self._pending)} pending)"

@@ -1,0 +1,120 @@
+"""KVChecksumWorker: a worker's partial checksums of the KV cache it holds.
+
+Created by the model runner's KV connector glue when
+kv_transfer_config.enable_kv_checksum is set, after the KV cache is
+allocated. Each step that has requests to checksum, the glue calls
+`compute` after the forward (and the drafter) wrote the KV; the result rides
+the worker's KVConnectorOutput to the scheduler, which sums the TP and PP
+parts. The worker keeps no state across steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from vllm_kvchecksum.group_plan import GroupPlan, TPPosition, plan_groups
+from vllm_kvchecksum.host_copy import PendingHostCopy, new_copy_stream
+from vllm_kvchecksum.records import GroupChecksums, KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord
+from vllm_kvchecksum.rows import RequestBlocks, build_rows
+
+logger = logging.getLogger("vllm_kvchecksum")
+
+
+class KVChecksumWorker:
+    """Computes one worker's partial KV checksums per request and group.
+
+    kv_cache_config / kv_caches: the worker's own config and its per-layer
+      [blocks, heads, tokens, cell] cache views (as registered with the KV
+      connector).
+    tp_rank, tp_size, pp_rank, pp_size: the worker's place in the model.
+    model_kv_heads: the model's KV head count when every layer shares it,
+      else None (see group_plan.TPPosition).
+    """
+
+    def __init__(self, kv_cache_config, kv_caches: Mapping[str, torch.Tensor], *, tp_rank: int, tp_size: int,
+                 pp_rank: int = 0, pp_size: int = 1, model_kv_heads: int | None, device: torch.device | None = None,
+                 path: str = "auto"):
+        self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
+        self.plans: dict[int, GroupPlan] = plan_groups(
+            kv_cache_config, dict(kv_caches), TPPosition(tp_rank, tp_size, model_kv_heads), path)
+        self.fingerprints = {g: p.fingerprint for g, p in self.plans.items() if p.skip_reason is None}
+        self.skipped_groups = {g: p.skip_reason for g, p in self.plans.items() if p.skip_reason is not None}
+        # Groups with caches on this worker (a PP stage may hold none of a group).
+        self._active = [g for g, p in self.plans.items() if p.caches]
+        if device is None:
+            first = next((c.view.device for g in self._active for c in self.plans[g].caches), None)
+            device = first or torch.device("cpu")
+        self.device = torch.device(device)
+        self._copy_stream = new_copy_stream(self.device)
+        for gid, reason in sorted(self.skipped_groups.items()):
+            logger.warning("KV checksums: KV cache group %d is not checksummed: %s", gid, reason)
+        if tp_rank == 0:
+            logger.info(
+                "KV checksums enabled on PP stage %d: groups %s checksummed (%d caches on this rank), "
+                "groups %s skipped", pp_rank, self._active,
+                sum(len(self.plans[g].caches) for g in self._active), sorted(self.skipped_groups))
+
+    def warm_up(self) -> None:
+        """Compile the kernel for every layer shape now, not in the first checksummed step."""
+        seen = set()
+        for gid in self._active:
+            for cache in self.plans[gid].caches:
+                shape = (tuple(cache.view.caches[0].pieces.shape), cache.view.block_size)
+                if shape not in seen:
+                    seen.add(shape)
+                    cache.view.warm_up()
+
+    def new_record(self) -> KVChecksumRecord:
+        return KVChecksumRecord(self.tp_rank, self.tp_size, self.pp_rank, self.pp_size,
+                                dict(self.fingerprints), dict(self.skipped_groups))
+
+    def compute(self, reqs: Mapping[str, KVChecksumBlocks], *, replica_zero_only: bool) -> KVChecksumOutput:
+        """Queue the checksums of `reqs`' blocks; the values arrive with the output.
+
+        replica_zero_only: a producer sends replica 0 only; a consumer checks
+        every replica of replicated layers, so it computes them all.
+        Call after the step's forward (and drafter): kernels run on the
+        current stream and the copy to host waits on it.
+        """
+        record = self.new_record()
+        for req_id, blocks in reqs.items():
+            record.requests[req_id] = {}
+            record.num_tokens[req_id] = blocks.num_tokens
+        groups = []  # (gid, [(req_id, GroupBlocks)], keys)
+        for gid in self._active:
+            caches = [c for c in self.plans[gid].caches if not (replica_zero_only and c.replica_index)]
+            members = [(rid, b.groups[gid]) for rid, b in reqs.items() if gid in b.groups]
+            if members:
+                groups.append((gid, members, caches))
+        if not groups:
+            return KVChecksumOutput([record])
+        rows = build_rows(
+            [[RequestBlocks(gb.block_ids, gb.start, reqs[rid].num_tokens) for rid, gb in members]
+             for _, members, _ in groups],
+            [self.plans[gid].block_size for gid, _, _ in groups],
+            pin_memory=self.device.type == "cuda")
+        keys = sorted({c.key for _, _, caches in groups for c in caches})
+        column = {k: i for i, k in enumerate(keys)}
+        total_rows = rows.table.shape[1]
+        out = torch.zeros((total_rows, max(1, len(keys))), dtype=torch.int64, device=self.device)
+        table = rows.to_device(self.device)
+        for gi, (gid, _, caches) in enumerate(groups):
+            block_ids, first_tokens, valid_tokens = rows.group_rows(table, gi)
+            row, count = rows.groups[gi]
+            group_out = out[row:row + count]
+            for cache in caches:
+                cache.view.accumulate(group_out, column[cache.key], block_ids, first_tokens, valid_tokens)
+
+        def deliver(host) -> None:
+            for gi, (gid, members, caches) in enumerate(groups):
+                group_keys = sorted({c.key for c in caches})
+                block_size = self.plans[gid].block_size
+                for (rid, gb), (row, count) in zip(members, rows.requests[gi]):
+                    record.requests[rid][gid] = GroupChecksums(
+                        gb.start, count, block_size,
+                        {k: host[row:row + count, column[k]].copy() for k in group_keys})
+
+        return KVChecksumOutput([record], [PendingHostCopy(out, self._copy_stream, deliver)])
