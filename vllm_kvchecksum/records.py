@@ -131,13 +131,19 @@ class KVChecksumOutput:
     def is_empty(self) -> bool:
         return not self._records
 
+    def __bool__(self) -> bool:
+        return not self.is_empty()
+
     @staticmethod
     def aggregate(outputs: list[KVChecksumOutput | None]) -> KVChecksumOutput | None:
-        """Concatenate the records of several workers (TP and PP ranks)."""
+        """Concatenate the records of several workers (TP and PP ranks), or of
+        one worker's several calls in a step. Copies still in flight stay in
+        flight: nothing here waits for the device."""
         present = [o for o in outputs if o is not None and not o.is_empty()]
         if not present:
             return None
-        return KVChecksumOutput([r for o in present for r in o.finalize()])
+        return KVChecksumOutput([r for o in present for r in o._records],
+                                [c for o in present for c in o._pending])
 
     def __getstate__(self):
         return {"records": self.finalize()}

@@ -20,7 +20,8 @@ from vllm_kvchecksum.host_copy import PendingHostCopy, new_copy_stream
 from vllm_kvchecksum.records import GroupChecksums, KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord
 from vllm_kvchecksum.rows import RequestBlocks, build_rows
 
-logger = logging.getLogger("vllm_kvchecksum")
+# A child of "vllm", so it logs through vLLM's handlers and format.
+logger = logging.getLogger("vllm.kv_checksum")
 
 
 class KVChecksumWorker:

@@ -305,8 +305,12 @@ def test_skipped_group_next_to_a_checksummed_one(kind, caplog):
         config.__dict__.pop("transfer_group_ids", None)
     else:
         config, caches = build_caches(groups, NUM_BLOCKS)
-    with caplog.at_level(logging.WARNING, logger="vllm_kvchecksum"):
+    logger = logging.getLogger("vllm.kv_checksum")
+    logger.addHandler(caplog.handler)  # vLLM's loggers do not propagate to the root
+    try:
         w = worker(config, caches)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert reason in w.skipped_groups[1]
     assert f"group 1 is not checksummed" in caplog.text
     req = {"r": blocks(REQ["r"].num_tokens, {0: (0, [5, 2, 7, 1]), 1: (0, [5, 2, 7, 1])})}

@@ -1,0 +1,352 @@
+"""A producer and a consumer vLLM instance, minus the model, for checksum tests.
+
+Each side is a real vLLM Scheduler (patched, with NixlConnector's scheduler
+half) and one real KVChecksumWorker per (PP, TP) worker over CPU KV caches
+from vLLM's allocate_kv_cache. What the test stands in for:
+- the forward: the producer's prompt KV is written into its blocks from a
+  deterministic per-(layer, head, token) content function;
+- the transfer: the consumer's loaded blocks get the producer's KV, copied
+  slice by slice from the producer's worker caches (any TP/PP on each side);
+- the model runner: each step, every worker runs the real runner glue
+  (checksum_step) and the real KVOutputAggregator merges their outputs.
+The scheduler holds only the first worker's layers, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from kv_setup import build_caches
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                         VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from vllm_kvchecksum.runner import checksum_step
+from vllm_kvchecksum.worker import KVChecksumWorker
+
+NUM_LAYERS = 4
+NUM_HEADS = 4
+HEAD_SIZE = 8
+NUM_BLOCKS = 96
+EOS = 7
+_ids = itertools.count()
+init_none_hash(sha256)
+
+
+def layer_name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def content(layer: int, head: int, token: int, cell_bytes: int) -> torch.Tensor:
+    """The KV bytes of one token of one head of one layer (what a forward writes)."""
+    gen = torch.Generator().manual_seed(((layer * 977 + head) * 100_003 + token) % (2**63))
+    return torch.randint(0, 256, (cell_bytes,), dtype=torch.uint8, generator=gen)
+
+
+@dataclass
+class Worker:
+    pp_rank: int
+    tp_rank: int
+    layers: list[int]
+    first_head: int
+    caches: dict[str, torch.Tensor]
+    checksums: KVChecksumWorker
+
+
+@dataclass
+class Side:
+    """One instance: scheduler + workers."""
+
+    scheduler: Scheduler
+    workers: list[Worker]
+    block_size: int
+    groups: list[tuple[list[int], object]]  # (layer numbers, spec) per group
+    aggregator: KVOutputAggregator = field(default=None)
+
+    def __post_init__(self):
+        self.aggregator = KVOutputAggregator(len(self.workers))
+
+    # -- what the model and the connector would do -------------------------
+
+    def cell_bytes(self) -> int:
+        return 2 * HEAD_SIZE * 2  # K and V, bf16
+
+    def write_tokens(self, request_id: str, first_token: int, end_token: int,
+                     source: Side | None = None, source_id: str | None = None) -> None:
+        """Write the KV of tokens [first_token, end_token) into the request's blocks.
+
+        From the content function (a forward), or copied from `source`'s
+        blocks of request `source_id` (a transfer). The slots after
+        end_token in its block get junk, which must not matter.
+        """
+        for gid, (layers, _) in enumerate(self.groups):
+            ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)[gid]
+            src_ids = source.scheduler.kv_cache_manager.get_block_ids(source_id)[gid] if source else None
+            for w in self.workers:
+                for layer in layers:
+                    if layer not in w.layers:
+                        continue
+                    cache = w.caches[layer_name(layer)]
+                    for t in range(first_token, end_token):
+                        pos, slot = divmod(t, self.block_size)
+                        if ids[pos] == 0:
+                            continue
+                        for h in range(cache.shape[1]):
+                            g_head = w.first_head + h
+                            data = (source.read(layer, g_head, t, src_ids) if source
+                                    else content(layer, g_head, t, self.cell_bytes()))
+                            cache[ids[pos], h, slot].view(torch.uint8).copy_(data)
+                    pos, slot = divmod(end_token, self.block_size)
+                    if slot and pos < len(ids) and ids[pos]:
+                        cache[ids[pos], :, slot:].view(torch.uint8).fill_(0x5A)
+
+    def read(self, layer: int, head: int, token: int, block_ids) -> torch.Tensor:
+        pos, slot = divmod(token, self.block_size)
+        for w in self.workers:
+            if layer in w.layers:
+                cache = w.caches[layer_name(layer)]
+                local = head - w.first_head
+                if 0 <= local < cache.shape[1]:
+                    return cache[block_ids[pos], local, slot].view(torch.uint8).clone()
+        raise AssertionError(f"no worker holds layer {layer} head {head}")
+
+    def corrupt(self, request_id: str, group: int = 0, position: int = 0, worker: int = -1) -> None:
+        """Flip one bit of one loaded block on one worker."""
+        ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)[group]
+        w = self.workers[worker]
+        layer = next(l for l in self.groups[group][0] if l in w.layers)
+        w.caches[layer_name(layer)][ids[position], 0, 0].view(torch.uint8)[3] ^= 0x10
+
+    # -- one engine step ---------------------------------------------------
+
+    def step(self, finished_recving=frozenset(), forward=None):
+        """One engine step: schedule, `forward(scheduler_output)` writes the
+        step's KV, every worker checksums and reports, the scheduler updates."""
+        out = self.scheduler.schedule()
+        if forward is not None:
+            forward(out)
+        runner_outputs = []
+        reqs = list(out.num_scheduled_tokens)
+        for w in self.workers:
+            checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, set(finished_recving))
+            kv_out = KVConnectorOutput(finished_recving=set(finished_recving) or None, kv_checksums=checksums)
+            runner_outputs.append(ModelRunnerOutput(
+                req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                sampled_token_ids=[[11] for _ in reqs], logprobs=None, prompt_logprobs_dict={},
+                pooler_output=None, kv_connector_output=kv_out))
+        merged = self.aggregator.aggregate(runner_outputs, 0)
+        engine_outputs = self.scheduler.update_from_output(out, merged)
+        return out, {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}
+
+
+def make_config(role: str, tp: int, pp: int, block_size: int, *, enable: bool = True, fail_closed: bool = False,
+                policy: str = "fail", connector: str = "NixlConnector",
+                connector_extra: dict | None = None) -> VllmConfig:
+    if connector == "MultiConnector" or (connector_extra or {}).get("connectors"):
+        connector = "MultiConnector"
+    model_config = ModelConfig(model="facebook/opt-125m", dtype="bfloat16", seed=0, max_model_len=2048)
+    kv = KVTransferConfig(kv_connector=connector, kv_role=role, kv_buffer_device="cpu",
+                          enable_kv_checksum=enable, kv_checksum_fail_closed=fail_closed,
+                          kv_load_failure_policy=policy, kv_connector_extra_config=connector_extra or {})
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
+                                         enable_chunked_prefill=True, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                       distributed_executor_backend="mp"),
+        kv_transfer_config=kv, device_config=DeviceConfig("cpu"))
+
+
+def make_side(role: str, tp: int = 1, pp: int = 1, block_size: int = 16, *, sliding_window: int | None = None,
+              heads: int = NUM_HEADS, **config_kw) -> Side:
+    vllm_config = make_config(role, tp, pp, block_size, **config_kw)
+    groups = [(list(range(NUM_LAYERS)) if sliding_window is None else [0, 2], None)]
+    if sliding_window is not None:
+        groups.append(([1, 3], sliding_window))
+    stage_layers = [list(range(NUM_LAYERS))[s * NUM_LAYERS // pp:(s + 1) * NUM_LAYERS // pp] for s in range(pp)]
+    local_heads = max(1, heads // tp)
+
+    def spec(window):
+        if window is None:
+            return FullAttentionSpec(block_size=block_size, num_kv_heads=local_heads, head_size=HEAD_SIZE,
+                                     dtype=torch.bfloat16)
+        return SlidingWindowSpec(block_size=block_size, num_kv_heads=local_heads, head_size=HEAD_SIZE,
+                                 dtype=torch.bfloat16, sliding_window=window)
+
+    workers = []
+    for p, t in itertools.product(range(pp), range(tp)):
+        kv_groups = [KVCacheGroupSpec([layer_name(l) for l in layers if l in stage_layers[p]], spec(window))
+                     for layers, window in groups]
+        config, caches = build_caches(kv_groups, NUM_BLOCKS, seed=p * 10 + t)
+        replicas = max(1, tp // heads)
+        first_head = (t // replicas) * local_heads
+        checksums = KVChecksumWorker(config, caches, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp,
+                                     model_kv_heads=heads)
+        workers.append(Worker(p, t, stage_layers[p], first_head, caches, checksums))
+    # The scheduler's config lists the first worker's layers only.
+    sched_groups = [KVCacheGroupSpec([layer_name(l) for l in layers if l in stage_layers[0]], spec(window))
+                    for layers, window in groups]
+    sched_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=sched_groups)
+    vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=sched_config, log_stats=True,
+                          structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
+    side = Side(scheduler, workers, block_size, [(layers, w) for layers, w in groups])
+    side.remote_ids = {}
+    return side
+
+
+def make_request(prompt: list[int], *, remote_decode: bool = False, params: dict | None = None,
+                 block_size: int = 16, max_tokens: int = 4) -> Request:
+    n = next(_ids)
+    sp = SamplingParams(max_tokens=1 if remote_decode else max_tokens)
+    sp.update_from_generation_config({}, EOS)
+    req = Request(request_id=f"req-{n}", prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None,
+                  mm_features=None, block_hasher=get_request_block_hasher(block_size, sha256))
+    req.kv_transfer_params = dict(do_remote_decode=True, do_remote_prefill=False) if remote_decode else params
+    return req
+
+
+def prompt_of(num_tokens: int, seed: int = 0) -> list[int]:
+    return [(i * 31 + seed * 7) % 500 + 10 for i in range(num_tokens)]
+
+
+def run_local(side: Side, prompt: list[int]) -> Request:
+    """A request computed locally to its end (e.g. to seed a prefix-cache hit)."""
+    req = make_request(prompt, block_size=side.block_size, max_tokens=1)
+    side.scheduler.add_request(req)
+
+    def forward(out):
+        if req.request_id in out.num_scheduled_tokens:
+            end = req.num_computed_tokens
+            side.write_tokens(req.request_id, end - out.num_scheduled_tokens[req.request_id], end)
+
+    for _ in range(8):
+        side.step(forward=forward)
+        if req.is_finished():
+            return req
+    raise AssertionError("the local request did not finish")
+
+
+def prefill(producer: Side, prompt: list[int]) -> tuple[Request, dict]:
+    """A producer request run to its end; returns it and its kv_transfer_params."""
+    req = make_request(prompt, remote_decode=True, block_size=producer.block_size)
+    producer.scheduler.add_request(req)
+
+    def forward(out):
+        if req.request_id in out.num_scheduled_tokens:
+            end = req.num_computed_tokens
+            producer.write_tokens(req.request_id, end - out.num_scheduled_tokens[req.request_id], end)
+
+    for _ in range(8):
+        _, outputs = producer.step(forward=forward)
+        if req.request_id in outputs and outputs[req.request_id].kv_transfer_params is not None:
+            return req, outputs[req.request_id].kv_transfer_params
+    raise AssertionError("the producer request did not finish with kv_transfer_params")
+
+
+@dataclass
+class LoadResult:
+    request: Request
+    outputs: dict            # engine outputs of the step that verified the load
+    next_scheduled: int      # tokens scheduled for the request in the step after (0: not scheduled)
+    num_local: int
+
+
+def load(consumer: Side, producer: Side, producer_req: Request, params: dict, *,
+         tamper=None, num_local: int = 0) -> LoadResult:
+    """The consumer loads a producer request's KV: schedule, transfer, verify, run.
+
+    num_local: the consumer's local prefix-cache hit, in tokens (what the
+    transfer does not write)."""
+    req = make_request(producer_req.prompt_token_ids, params=dict(params), block_size=consumer.block_size)
+    consumer.scheduler.add_request(req)
+    out, _ = consumer.step()
+    assert req.status.name == "WAITING_FOR_REMOTE_KVS", req.status
+    consumer.write_tokens(req.request_id, num_local, req.num_computed_tokens, source=producer,
+                          source_id=producer_req.request_id)
+    if tamper is not None:
+        tamper(req)
+    _, outputs = consumer.step(finished_recving={req.request_id})
+    out, _ = consumer.step()
+    return LoadResult(req, outputs, out.num_scheduled_tokens.get(req.request_id, 0), num_local)
+
+
+# -- the model runners' own KV connector paths --------------------------------
+
+class ReportingConnector:
+    """The worker half of a connector whose transfers the test performs.
+
+    Only for the runner tests: the model runner code under test (V1's KV
+    connector mixin, V2's ActiveKVConnector) calls the connector's worker
+    API; this one reports the loads the test says finished. Built on
+    KVConnectorBase_V1 so the runners see a real connector type.
+    """
+
+    def __new__(cls, vllm_config, kv_cache_config):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
+                                                                       KVConnectorTransferResults)
+
+        class _Reporting(KVConnectorBase_V1):
+            finished: set[str] = set()
+
+            def start_load_kv(self, forward_context, **kwargs): pass
+            def wait_for_layer_load(self, layer_name): pass
+            def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs): pass
+            def wait_for_save(self): pass
+            def get_num_new_matched_tokens(self, request, num_computed_tokens): return 0, False
+            def update_state_after_alloc(self, request, blocks, num_external_tokens): pass
+            def build_connector_meta(self, scheduler_output): return None
+
+            def get_transfer_results(self, finished_req_ids):
+                done, self.finished = self.finished, set()
+                return KVConnectorTransferResults(finished_recving=done)
+
+        return _Reporting(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+
+
+def runner_step(side: Side, runner: str, finished_recving=frozenset()):
+    """Like Side.step, with each worker's output made by a model runner's own
+    connector path without a forward: "v1" (KVConnectorModelRunnerMixin,
+    also the CPU backend's) or "v2" (ActiveKVConnector)."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    out = side.scheduler.schedule()
+    runner_outputs = []
+    for w in side.workers:
+        connector = ReportingConnector(side.scheduler.vllm_config, side.scheduler.kv_cache_config)
+        connector.finished = set(finished_recving)
+        kv_transfer_state._KV_CONNECTOR_AGENT = connector
+        try:
+            if runner == "v1":
+                result = KVConnectorModelRunnerMixin.kv_connector_no_forward(
+                    out, side.scheduler.vllm_config, w.checksums)
+            else:
+                active = ActiveKVConnector(side.scheduler.vllm_config, {})
+                active.kv_checksum_worker = w.checksums
+                result = active.no_forward(out)
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+        # Requests the step runs get a sampled token, as a forward would give
+        # (on a copy: an empty result is vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT).
+        result = copy.copy(result)
+        reqs = list(out.num_scheduled_tokens)
+        result.req_ids, result.req_id_to_index = reqs, {r: i for i, r in enumerate(reqs)}
+        result.sampled_token_ids = [[11] for _ in reqs]
+        runner_outputs.append(result)
+    merged = side.aggregator.aggregate(runner_outputs, 0)
+    engine_outputs = side.scheduler.update_from_output(out, merged)
+    return out, {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}

@@ -1,0 +1,220 @@
+"""Verified loads: a real producer scheduler and a real consumer scheduler (NIXL pull).
+
+Both sides run the patched vLLM Scheduler with NixlConnector's scheduler
+half and real KVChecksumWorkers over CPU caches; see pd_harness for what
+stands in for the model and the transfer.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+
+import msgpack
+import pytest
+from pd_harness import load, make_side, prefill, prompt_of, run_local
+
+PROMPT = 77  # 4 full 16-token blocks and a partial one
+
+
+@pytest.fixture
+def logs(caplog):
+    logger = logging.getLogger("vllm.kv_checksum")
+    logger.addHandler(caplog.handler)  # vLLM's loggers do not propagate to the root
+    caplog.handler.setLevel(logging.DEBUG)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield caplog
+    logger.setLevel(old)
+    logger.removeHandler(caplog.handler)
+
+
+def stats(side):
+    return dict(side.scheduler.kv_checksum.stats)
+
+
+@pytest.mark.parametrize("producer,consumer", [
+    ((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 1), (4, 1)), ((1, 2), (1, 1)), ((1, 1), (2, 2)),
+], ids=lambda tp_pp: f"tp{tp_pp[0]}pp{tp_pp[1]}")
+def test_correct_loads_verify_across_tp_pp(producer, consumer, logs):
+    # At TP4 the consumer's 2 KV heads are replicated on two ranks each.
+    heads = 2 if consumer[0] == 4 else 4
+    P = make_side("kv_producer", *producer, heads=heads, fail_closed=True)
+    C = make_side("kv_consumer", *consumer, heads=heads, fail_closed=True)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    assert "kv_checksums" in params
+    assert stats(P) == {"sent": 1}
+    result = load(C, P, preq, params)
+    assert stats(C) == {"verified": 1}, logs.text
+    assert result.next_scheduled == 1  # the last prompt token, then decode
+    assert "mismatch" not in logs.text
+
+
+def test_local_prefix_hit_compares_only_loaded_blocks(logs):
+    P = make_side("kv_producer", fail_closed=True)
+    C = make_side("kv_consumer", fail_closed=True)
+    prompt = prompt_of(PROMPT)
+    local = run_local(C, prompt[:32])
+    # Locally computed KV need not equal the producer's: make it differ.
+    for w in C.workers:
+        for cache in w.caches.values():
+            for block in C.scheduler.kv_cache_manager.get_block_ids(local.request_id)[0][:2]:
+                cache[block].view(-1)[0] += 1
+    preq, params = prefill(P, prompt)
+    result = load(C, P, preq, params, num_local=32)
+    pending_start = result.num_local // 16
+    assert pending_start == 2
+    assert stats(C) == {"verified": 1}, logs.text
+
+
+def corrupt(C):
+    return lambda req: C.corrupt(req.request_id, position=2)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_corrupted_byte_fail_closed(policy, logs):
+    P = make_side("kv_producer", fail_closed=True)
+    C = make_side("kv_consumer", fail_closed=True, policy=policy)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    result = load(C, P, preq, params, tamper=corrupt(C))
+    assert stats(C) == {"mismatch": 1}
+    assert "KV checksum mismatch for request" in logs.text and "block" in logs.text
+    if policy == "fail":
+        out = result.outputs[result.request.request_id]
+        assert out.finish_reason is not None and out.finish_reason.name == "ERROR"
+        assert out.stop_reason.startswith("kv_checksum_mismatch")
+        assert result.request.is_finished()
+    else:
+        assert not result.request.is_finished()
+        assert result.next_scheduled == PROMPT  # recomputed locally, not loaded again
+        assert not result.request.kv_transfer_params.get("do_remote_prefill")
+
+
+def test_corrupted_byte_fail_open_is_logged_and_used(logs):
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    result = load(C, P, preq, params, tamper=corrupt(C))
+    assert stats(C) == {"mismatch": 1}
+    assert any(r.levelno == logging.ERROR and "mismatch" in r.getMessage() for r in logs.records)
+    assert result.next_scheduled == 1
+
+
+@pytest.mark.parametrize("policy,fail_closed", [("fail", True), ("recompute", True), ("fail", False)])
+def test_missing_checksums_are_unverified(policy, fail_closed, logs):
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=fail_closed, policy=policy)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    params.pop("kv_checksums")
+    result = load(C, P, preq, params)
+    assert stats(C) == {"unverified": 1}
+    assert "no_producer_checksums" in logs.text
+    if not fail_closed:
+        assert result.next_scheduled == 1
+    elif policy == "fail":
+        assert result.outputs[result.request.request_id].stop_reason.startswith("kv_checksum_unverified")
+    else:
+        assert result.next_scheduled == PROMPT
+
+
+def nested(depth):
+    """msgpack of [[[...0...]]], nested `depth` deep (built by hand: the packer refuses it)."""
+    return b"\x91" * depth + b"\x00"
+
+
+@pytest.mark.parametrize("bad", [
+    "", "not base64!", base64.b64encode(b"\xc1").decode(), base64.b64encode(nested(5000)).decode(),
+    base64.b64encode(msgpack.packb([2, [1, 1, []]])).decode(), 12345, ["list"], {"a": 1},
+], ids=["empty", "text", "bad-msgpack", "deep", "version-2", "int", "list", "dict"])
+def test_malformed_payloads_never_raise(bad, logs):
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=True, policy="recompute")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    params["kv_checksums"] = bad
+    result = load(C, P, preq, params)
+    assert stats(C) == {"unverified": 1}
+    assert result.next_scheduled == PROMPT
+
+
+def skip_group(side, gid):
+    """The workers cannot checksum group `gid` (as for SSM state): reported skipped."""
+    for w in side.workers:
+        w.checksums.skipped_groups[gid] = "skipped by the test"
+        w.checksums.fingerprints.pop(gid, None)
+        w.checksums._active.remove(gid)
+
+
+def test_group_skipped_on_both_sides_is_ignored(logs):
+    P = make_side("kv_producer", sliding_window=48, fail_closed=True)
+    C = make_side("kv_consumer", sliding_window=48, fail_closed=True)
+    skip_group(P, 1)
+    skip_group(C, 1)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params)
+    assert stats(C) == {"verified": 1}, logs.text
+
+
+@pytest.mark.parametrize("side", ["producer", "consumer"])
+def test_group_skipped_on_one_side_is_unverified(side, logs):
+    P = make_side("kv_producer", sliding_window=48)
+    C = make_side("kv_consumer", sliding_window=48, fail_closed=True)
+    skip_group(P if side == "producer" else C, 1)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    result = load(C, P, preq, params)
+    assert stats(C) == {"unverified": 1}
+    assert result.request.is_finished()
+
+
+def test_sliding_window_group_verifies_and_catches_corruption(logs):
+    P = make_side("kv_producer", sliding_window=48, fail_closed=True)
+    C = make_side("kv_consumer", sliding_window=48, fail_closed=True, policy="recompute")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params)
+    assert stats(C) == {"verified": 1}, logs.text
+    preq, params = prefill(P, prompt_of(PROMPT, seed=5))
+    load(C, P, preq, params, tamper=lambda req: C.corrupt(req.request_id, group=1, position=4))
+    assert stats(C) == {"verified": 1, "mismatch": 1}
+
+
+@pytest.mark.parametrize("bs_p,bs_c", [(16, 32), (32, 16)])
+def test_different_block_sizes(bs_p, bs_c, logs):
+    P = make_side("kv_producer", block_size=bs_p, fail_closed=True)
+    C = make_side("kv_consumer", block_size=bs_c, fail_closed=True, policy="recompute")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params)
+    assert stats(C) == {"verified": 1}, logs.text
+    preq, params = prefill(P, prompt_of(PROMPT, seed=3))
+    load(C, P, preq, params, tamper=lambda req: C.corrupt(req.request_id, position=1))
+    assert stats(C) == {"verified": 1, "mismatch": 1}
+
+
+def test_unaligned_smaller_consumer_blocks_are_unverified(logs):
+    # Consumer blocks of 16 after a 16-token local hit start inside the
+    # producer's first 32-token block: never a false verify.
+    P = make_side("kv_producer", block_size=32)
+    C = make_side("kv_consumer", block_size=16, fail_closed=True, policy="recompute")
+    prompt = prompt_of(PROMPT)
+    run_local(C, prompt[:16])
+    preq, params = prefill(P, prompt)
+    load(C, P, preq, params, num_local=16)
+    assert stats(C) == {"unverified": 1}
+    assert "unaligned_first_block" in logs.text
+
+
+def test_connector_without_carrier(tmp_path, logs):
+    from vllm_kvchecksum.scheduler import KVChecksumConfigError
+
+    extra = {"shared_storage_path": str(tmp_path)}
+    with pytest.raises(KVChecksumConfigError, match="cannot carry KV checksums"):
+        make_side("kv_consumer", connector="ExampleConnector", fail_closed=True, connector_extra=extra)
+    side = make_side("kv_consumer", connector="ExampleConnector", connector_extra=extra)
+    assert side.scheduler.kv_checksum is None
+    assert "KV checksums are disabled" in logs.text
+
+
+def test_checksums_off_adds_nothing():
+    P = make_side("kv_producer", enable=False)
+    assert P.scheduler.kv_checksum is None
+    preq, params = prefill(P, prompt_of(PROMPT))
+    assert "kv_checksums" not in params
+

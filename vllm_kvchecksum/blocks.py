@@ -1,0 +1,56 @@
+"""Which blocks of a request the checksums cover, per KV cache group.
+
+Both sides apply the same rule to the tokens they hold, so producer and
+consumer checksum the same block positions: the blocks holding tokens
+[first_token, end_token) of each group, with leading null blocks (out of a
+sliding window) dropped, a group with a null block after a non-null one
+left out, and sliding-window groups clipped to their last
+cdiv(window, block_size) + 1 blocks, the clip NIXL and Mooncake apply to
+what they transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_kvchecksum.records import GroupBlocks
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """What the block rule needs to know of one KV cache group."""
+
+    group_id: int
+    block_size: int
+    sliding_window: int | None = None
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def group_blocks(block_ids: Sequence[int], layout: GroupLayout, first_token: int, end_token: int,
+                 null_block_id: int = 0) -> GroupBlocks | None:
+    """The group's blocks for tokens [first_token, end_token); None if left out."""
+    bs = layout.block_size
+    start, stop = first_token // bs, min(cdiv(end_token, bs), len(block_ids))
+    if layout.sliding_window is not None:
+        start = max(start, stop - (cdiv(layout.sliding_window, bs) + 1))
+    while start < stop and block_ids[start] == null_block_id:
+        start += 1
+    ids = tuple(block_ids[start:stop])
+    if null_block_id in ids:
+        return None
+    return GroupBlocks(start, ids)
+
+
+def request_blocks(block_ids: Sequence[Sequence[int]], layouts: Sequence[GroupLayout], first_token: int,
+                   end_token: int, null_block_id: int = 0) -> dict[int, GroupBlocks]:
+    """Per checksummed group id, the blocks of tokens [first_token, end_token)."""
+    groups = {}
+    for layout in layouts:
+        blocks = group_blocks(block_ids[layout.group_id], layout, first_token, end_token, null_block_id)
+        if blocks is not None:
+            groups[layout.group_id] = blocks
+    return groups

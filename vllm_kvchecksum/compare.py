@@ -1,0 +1,595 @@
+"""Summing the producer's checksums and checking the consumer's against them.
+
+Both run in a scheduler, the only place that sees every worker's record:
+
+- `sum_producer` runs on the producer when a request finishes: it adds up
+  the workers' partial sums into one value per (group, block position) of
+  the whole model, the payload sent to the consumer.
+- `compare_load` runs on the consumer when a request's KV load has
+  finished on every worker: it adds up the consumer workers' partial sums
+  the same way and compares them with the payload, group by group.
+
+The functions are pure (records in, result out) and know nothing of vLLM;
+the scheduler glue decides what a verdict leads to (a log line, a failed
+load). All arithmetic is mod 2**64, in uint64 numpy arrays.
+
+Partial sums come per key (R, i): a worker's layers replicated R times
+over TP, whose copy i the worker holds (R = 1 for layers split over TP).
+The producer sums copy 0 only, so its value covers each layer once. The
+consumer forms max(R) checks: check k adds copy k % R of every layer
+replicated R times, so each check also covers each layer once, every copy
+is in some check, and every check must equal the producer's value.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
+from vllm_kvchecksum.records import GroupChecksums, KVChecksumRecord
+
+_MOD = 2**64
+
+Worker = tuple[int, int]  # (pp_rank, tp_rank)
+
+
+class CheckStatus(str, enum.Enum):
+    """The outcome of comparing one group, or a whole load."""
+
+    VERIFIED = "verified"
+    MISMATCH = "mismatch"
+    UNVERIFIED = "unverified"
+
+
+class UnverifiedReason(str, enum.Enum):
+    """Why a group or a load could not be compared.
+
+    The values are short and stable, so the glue can log a warning once per
+    reason and count them.
+    """
+
+    # The whole load.
+    NO_PRODUCER_CHECKSUMS = "no_producer_checksums"  # none sent, or invalid
+    MISSING_WORKERS = "missing_workers"  # not every TP x PP worker reported
+    UNSCHEDULED_BLOCKS = "unscheduled_blocks"  # a worker checksummed other blocks
+    MALFORMED_RECORD = "malformed_record"  # a record contradicts itself or others
+    NO_GROUPS = "no_groups"  # every group skipped on both sides
+    # One group.
+    NOT_CHECKSUMMED_BY_PRODUCER = "not_checksummed_by_producer"
+    NOT_CHECKSUMMED_BY_CONSUMER = "not_checksummed_by_consumer"
+    SKIPPED_BY_CONSUMER = "skipped_by_consumer"
+    FINGERPRINT_DIFFERS = "fingerprint_differs"
+    MISSING_REPLICA = "missing_replica"
+    BLOCK_SIZES_NOT_MULTIPLES = "block_sizes_not_multiples"
+    UNALIGNED_FIRST_BLOCK = "unaligned_first_block"
+    NO_COMMON_BLOCKS = "no_common_blocks"
+
+
+class ConsumerGroupBlocks(NamedTuple):
+    """The blocks of one group a consumer's load wrote, as scheduled.
+
+    Block positions [start, start + num_blocks) of `block_size` tokens each.
+    """
+
+    start: int
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class GroupVerdict:
+    """The comparison of one KV cache group.
+
+    mismatched_blocks: consumer block positions whose values differ (all
+      consumer blocks of a differing chunk when the block sizes differ).
+    compared_blocks: how many consumer blocks were compared.
+    reason_key / reason: why an unverified group could not be compared.
+    """
+
+    group_id: int
+    status: CheckStatus
+    mismatched_blocks: tuple[int, ...] = ()
+    compared_blocks: int = 0
+    reason_key: UnverifiedReason | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class LoadVerdict:
+    """The comparison of one request's KV load.
+
+    status: MISMATCH if any group differs, even when others are unverified;
+      otherwise UNVERIFIED if the load or any group could not be compared;
+      otherwise VERIFIED.
+    groups: per group id; groups skipped on both sides are absent.
+    reason_key / reason: set when the load as a whole could not be compared
+      (then `groups` is empty).
+    """
+
+    req_id: str
+    status: CheckStatus
+    groups: dict[int, GroupVerdict] = field(default_factory=dict)
+    reason_key: UnverifiedReason | None = None
+    reason: str = ""
+
+    @property
+    def reason_keys(self) -> tuple[UnverifiedReason, ...]:
+        """Every distinct reason this load or its groups are unverified."""
+        keys = [self.reason_key] + [g.reason_key for g in self.groups.values()]
+        return tuple(dict.fromkeys(k for k in keys if k is not None))
+
+    @property
+    def mismatched_blocks(self) -> dict[int, tuple[int, ...]]:
+        """Consumer block positions that differ, per mismatching group."""
+        return {g.group_id: g.mismatched_blocks for g in self.groups.values()
+                if g.status is CheckStatus.MISMATCH}
+
+    def describe(self) -> str:
+        """An operator-facing line naming the request, groups and block positions."""
+        headline = {
+            CheckStatus.VERIFIED: f"KV checksums of request {self.req_id!r} verified",
+            CheckStatus.MISMATCH: f"KV checksum mismatch for request {self.req_id!r}",
+            CheckStatus.UNVERIFIED: f"KV checksums of request {self.req_id!r} unverified",
+        }[self.status]
+        if self.reason_key is not None:
+            return f"{headline}: {self.reason}"
+        ordered = sorted(self.groups.values(),
+                         key=lambda g: (g.status is not CheckStatus.MISMATCH, g.group_id))
+        return f"{headline}: " + "; ".join(_describe_group(g) for g in ordered)
+
+
+def _describe_group(verdict: GroupVerdict) -> str:
+    name = f"group {verdict.group_id}"
+    if verdict.status is CheckStatus.VERIFIED:
+        return f"{name} verified ({verdict.compared_blocks} blocks compared)"
+    if verdict.status is CheckStatus.MISMATCH:
+        return (f"{name} differs at block positions "
+                f"{_format_positions(verdict.mismatched_blocks)} "
+                f"({len(verdict.mismatched_blocks)} of {verdict.compared_blocks} compared)")
+    return f"{name} unverified: {verdict.reason}"
+
+
+def _format_positions(positions: Sequence[int], max_ranges: int = 16) -> str:
+    """Sorted positions as ranges, "3, 10-12", cut after `max_ranges`."""
+    ranges: list[list[int]] = []
+    for p in positions:
+        if ranges and p == ranges[-1][1] + 1:
+            ranges[-1][1] = p
+        else:
+            ranges.append([p, p])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges[:max_ranges])
+    return text + (", ..." if len(ranges) > max_ranges else "")
+
+
+def _worker_name(worker: Worker) -> str:
+    return f"(pp {worker[0]}, tp {worker[1]})"
+
+
+# -- what every worker reported ---------------------------------------------
+
+
+class _Problem(NamedTuple):
+    key: UnverifiedReason
+    message: str
+
+
+def _reports_by_worker(records: Sequence[KVChecksumRecord], req_id: str,
+                       expected_workers: int) -> dict[Worker, KVChecksumRecord] | _Problem:
+    """The record of each worker that reported `req_id`, if all of them did.
+
+    Every one of the TP x PP workers must report the request exactly once;
+    a worker with none of a group's layers still reports the request.
+    """
+    by_worker: dict[Worker, KVChecksumRecord] = {}
+    for record in records:
+        if req_id not in record.requests:
+            continue
+        if record.worker in by_worker:
+            return _Problem(UnverifiedReason.MALFORMED_RECORD,
+                            f"worker {_worker_name(record.worker)} reported the request twice")
+        by_worker[record.worker] = record
+    if not by_worker:
+        return _Problem(UnverifiedReason.MISSING_WORKERS,
+                        f"no worker reported the request (expected {expected_workers})")
+    layouts = {(r.tp_size, r.pp_size) for r in by_worker.values()}
+    if len(layouts) > 1:
+        return _Problem(UnverifiedReason.MALFORMED_RECORD,
+                        f"workers report different (tp_size, pp_size): {sorted(layouts)}")
+    tp_size, pp_size = layouts.pop()
+    if tp_size * pp_size != expected_workers:
+        return _Problem(UnverifiedReason.MALFORMED_RECORD,
+                        f"workers report tp_size {tp_size} x pp_size {pp_size}, "
+                        f"but {expected_workers} workers are expected")
+    expected = {(pp, tp) for pp in range(pp_size) for tp in range(tp_size)}
+    missing = sorted(expected - set(by_worker))
+    unknown = sorted(set(by_worker) - expected)
+    if missing or unknown:
+        detail = []
+        if missing:
+            detail.append("missing " + ", ".join(map(_worker_name, missing)))
+        if unknown:
+            detail.append("unexpected " + ", ".join(map(_worker_name, unknown)))
+        return _Problem(UnverifiedReason.MISSING_WORKERS,
+                        f"{len(expected) - len(missing)} of {expected_workers} workers "
+                        f"reported the request ({'; '.join(detail)})")
+    return by_worker
+
+
+def _check_reported_blocks(by_worker: Mapping[Worker, KVChecksumRecord], req_id: str,
+                           scheduled: Mapping[int, tuple], num_tokens: int,
+                           check_block_size: bool) -> _Problem | None:
+    """A problem if any worker checksummed other blocks or tokens than scheduled.
+
+    scheduled[group] starts with (start, num_blocks), then block_size when
+    `check_block_size`.
+    """
+    for worker, record in sorted(by_worker.items()):
+        name = _worker_name(worker)
+        reported_tokens = record.num_tokens.get(req_id, num_tokens)
+        if reported_tokens != num_tokens:
+            return _Problem(UnverifiedReason.UNSCHEDULED_BLOCKS,
+                            f"worker {name} checksummed {reported_tokens} tokens, "
+                            f"{num_tokens} were scheduled")
+        for group_id, group in sorted(record.requests[req_id].items()):
+            if group_id not in scheduled:
+                return _Problem(UnverifiedReason.UNSCHEDULED_BLOCKS,
+                                f"worker {name} checksummed group {group_id}, "
+                                "which was not scheduled")
+            start, num_blocks = scheduled[group_id][:2]
+            if (group.start, group.num_blocks) != (start, num_blocks):
+                return _Problem(
+                    UnverifiedReason.UNSCHEDULED_BLOCKS,
+                    f"worker {name} checksummed blocks [{group.start}, "
+                    f"{group.start + group.num_blocks}) of group {group_id}, "
+                    f"[{start}, {start + num_blocks}) were scheduled")
+            if check_block_size and group.block_size != scheduled[group_id][2]:
+                return _Problem(UnverifiedReason.UNSCHEDULED_BLOCKS,
+                                f"worker {name} checksummed group {group_id} with block size "
+                                f"{group.block_size}, {scheduled[group_id][2]} was scheduled")
+            for key, values in group.partials.items():
+                if not (isinstance(key, tuple) and len(key) == 2
+                        and all(isinstance(k, int) for k in key) and 0 <= key[1] < key[0]):
+                    return _Problem(UnverifiedReason.MALFORMED_RECORD,
+                                    f"worker {name} reported partial key {key!r} for group "
+                                    f"{group_id}; expected (replicas, replica_index)")
+                if np.shape(values) != (num_blocks,):
+                    return _Problem(UnverifiedReason.UNSCHEDULED_BLOCKS,
+                                    f"worker {name} reported values of shape "
+                                    f"{np.shape(values)} for key {key} of group {group_id}, "
+                                    f"for {num_blocks} scheduled blocks")
+    return None
+
+
+def _group_reports(by_worker: Mapping[Worker, KVChecksumRecord],
+                   req_id: str) -> dict[int, list[GroupChecksums]]:
+    """Each group's reports, from the workers holding some of its layers."""
+    reports: dict[int, list[GroupChecksums]] = {}
+    for _, record in sorted(by_worker.items()):
+        for group_id, group in record.requests[req_id].items():
+            reports.setdefault(group_id, []).append(group)
+    return reports
+
+
+def _skipped_groups(by_worker: Mapping[Worker, KVChecksumRecord]) -> dict[int, str]:
+    """Groups some worker cannot checksum, with one worker's reason."""
+    skipped: dict[int, str] = {}
+    for _, record in sorted(by_worker.items()):
+        for group_id, reason in record.skipped_groups.items():
+            skipped.setdefault(group_id, reason)
+    return skipped
+
+
+def _model_fingerprint(by_worker: Mapping[Worker, KVChecksumRecord], group_id: int) -> int:
+    """The group's fingerprint for the whole model: one per PP stage, summed.
+
+    TP ranks of a stage hold the same layers and report the same
+    fingerprint, so TP rank 0 speaks for its stage.
+    """
+    return sum(record.fingerprints.get(group_id, 0)
+               for (pp_rank, tp_rank), record in by_worker.items() if tp_rank == 0) % _MOD
+
+
+def _as_uint64(values) -> np.ndarray:
+    return np.asarray(values).astype(np.uint64, copy=False)
+
+
+# -- the producer -----------------------------------------------------------
+
+
+class ProducerSum(NamedTuple):
+    """The result of `sum_producer`: a payload, or None and why not."""
+
+    payload: KVChecksumPayload | None
+    reason: str | None = None
+
+
+def sum_producer(records: Sequence[KVChecksumRecord], req_id: str, expected_workers: int,
+                 scheduled: Mapping[int, tuple[int, int]], num_tokens: int,
+                 tp_size: int) -> ProducerSum:
+    """Sum a producer's worker records of one request into the payload to send.
+
+    Runs in the producer's scheduler when the request finishes, over the
+    records of the step that checksummed its prompt. scheduled[group] is
+    the (start, num_blocks) the workers were asked for. Each group's value
+    is the sum over every worker of its replica-0 partials; its fingerprint
+    the sum over PP stages of TP rank 0's. Groups some worker skipped are
+    left out. `tp_size` is the producer's TP size, carried in the payload.
+    Returns no payload, with the reason, when not every one of the
+    `expected_workers` (TP x PP) reported the request, a worker checksummed
+    other blocks than scheduled, or the records contradict themselves.
+    """
+    by_worker = _reports_by_worker(records, req_id, expected_workers)
+    if isinstance(by_worker, _Problem):
+        return ProducerSum(None, by_worker.message)
+    record_tp_size = next(iter(by_worker.values())).tp_size
+    if record_tp_size != tp_size:
+        return ProducerSum(None, f"workers report tp_size {record_tp_size}, "
+                                 f"the scheduler's is {tp_size}")
+    problem = _check_reported_blocks(by_worker, req_id, scheduled, num_tokens,
+                                     check_block_size=False)
+    if problem is not None:
+        return ProducerSum(None, problem.message)
+    skipped = _skipped_groups(by_worker)
+    reports = _group_reports(by_worker, req_id)
+    groups: dict[int, PayloadGroup] = {}
+    for group_id in sorted(scheduled):
+        if group_id in skipped:
+            continue
+        group_reports = reports.get(group_id)
+        if not group_reports:
+            return ProducerSum(None, f"no worker checksummed scheduled group {group_id}")
+        block_sizes = sorted({g.block_size for g in group_reports})
+        if len(block_sizes) > 1:
+            return ProducerSum(None, f"workers report block sizes {block_sizes} "
+                                     f"for group {group_id}")
+        start, num_blocks = scheduled[group_id][:2]
+        total = np.zeros(num_blocks, dtype=np.uint64)
+        found_replica_0 = False
+        for group in group_reports:
+            for (_, replica_index), values in group.partials.items():
+                if replica_index == 0:
+                    np.add(total, _as_uint64(values), out=total)
+                    found_replica_0 = True
+        if not found_replica_0:
+            return ProducerSum(None, f"no worker reported replica 0 of group {group_id}")
+        groups[group_id] = PayloadGroup(fingerprint=_model_fingerprint(by_worker, group_id),
+                                        block_size=block_sizes[0], start=start, values=total)
+    try:
+        payload = KVChecksumPayload(num_tokens=num_tokens, producer_tp_size=tp_size,
+                                    groups=groups)
+    except ValueError as exc:
+        return ProducerSum(None, f"cannot build the payload: {exc}")
+    return ProducerSum(payload)
+
+
+# -- the consumer -----------------------------------------------------------
+
+
+def compare_load(expected: KVChecksumPayload | None, records: Sequence[KVChecksumRecord],
+                 req_id: str, expected_workers: int,
+                 scheduled: Mapping[int, ConsumerGroupBlocks | tuple[int, int, int]],
+                 num_tokens: int, *,
+                 missing_reason: str = "the producer sent no KV checksums") -> LoadVerdict:
+    """Compare a consumer's checksums of one finished KV load with the producer's.
+
+    Runs in the consumer's scheduler once every worker has finished loading
+    the request and before the request runs again. `records` are the
+    consumer workers' reports (others' requests are ignored), scheduled[g]
+    the (start, num_blocks, block_size) of group g the load wrote, and
+    num_tokens the tokens the consumer's blocks hold. `expected` is the
+    decoded payload, or None with `missing_reason` saying why there is none
+    (not sent, or invalid).
+    """
+    if expected is None:
+        return _load_unverified(req_id, UnverifiedReason.NO_PRODUCER_CHECKSUMS, missing_reason)
+    by_worker = _reports_by_worker(records, req_id, expected_workers)
+    if isinstance(by_worker, _Problem):
+        return _load_unverified(req_id, *by_worker)
+    scheduled = {g: ConsumerGroupBlocks(*blocks) for g, blocks in scheduled.items()}
+    problem = _check_reported_blocks(by_worker, req_id, scheduled, num_tokens,
+                                     check_block_size=True)
+    if problem is not None:
+        return _load_unverified(req_id, *problem)
+
+    skipped = _skipped_groups(by_worker)
+    reports = _group_reports(by_worker, req_id)
+    verdicts: dict[int, GroupVerdict] = {}
+    for group_id in sorted(set(expected.groups) | set(reports) | set(scheduled) | set(skipped)):
+        produced = expected.groups.get(group_id)
+        if group_id in skipped:
+            if produced is not None:
+                verdicts[group_id] = _group_unverified(
+                    group_id, UnverifiedReason.SKIPPED_BY_CONSUMER,
+                    f"skipped by the consumer ({skipped[group_id]}) but not by the producer")
+            # Skipped on both sides: not part of the verdict.
+        elif group_id not in reports:
+            verdicts[group_id] = _group_unverified(
+                group_id, UnverifiedReason.NOT_CHECKSUMMED_BY_CONSUMER,
+                "no consumer worker checksummed it")
+        elif produced is None:
+            verdicts[group_id] = _group_unverified(
+                group_id, UnverifiedReason.NOT_CHECKSUMMED_BY_PRODUCER,
+                "not checksummed by the producer")
+        else:
+            verdicts[group_id] = _compare_group(
+                group_id, produced, expected.num_tokens, reports[group_id],
+                _model_fingerprint(by_worker, group_id), scheduled[group_id], num_tokens)
+    if not verdicts:
+        return _load_unverified(req_id, UnverifiedReason.NO_GROUPS,
+                                "every group is skipped on both sides, nothing was compared")
+    statuses = {v.status for v in verdicts.values()}
+    status = next(s for s in (CheckStatus.MISMATCH, CheckStatus.UNVERIFIED, CheckStatus.VERIFIED)
+                  if s in statuses)
+    return LoadVerdict(req_id=req_id, status=status, groups=verdicts)
+
+
+def _load_unverified(req_id: str, key: UnverifiedReason, message: str) -> LoadVerdict:
+    return LoadVerdict(req_id=req_id, status=CheckStatus.UNVERIFIED, reason_key=key,
+                       reason=message)
+
+
+def _group_unverified(group_id: int, key: UnverifiedReason, message: str) -> GroupVerdict:
+    return GroupVerdict(group_id=group_id, status=CheckStatus.UNVERIFIED, reason_key=key,
+                        reason=message)
+
+
+def _replica_checks(reports: Sequence[GroupChecksums],
+                    num_blocks: int) -> np.ndarray | _Problem:
+    """The consumer's checks of one group, shape (max replicas, num_blocks).
+
+    Sums each partial key over the workers; check k adds, for each
+    replication R, copy k % R. Every copy 0..R-1 of each R must be present.
+    """
+    sums: dict[tuple[int, int], np.ndarray] = {}
+    for group in reports:
+        for key, values in group.partials.items():
+            total = sums.setdefault(key, np.zeros(num_blocks, dtype=np.uint64))
+            np.add(total, _as_uint64(values), out=total)
+    if not sums:
+        return _Problem(UnverifiedReason.NOT_CHECKSUMMED_BY_CONSUMER,
+                        "the consumer workers reported no values for it")
+    copies: dict[int, set[int]] = {}
+    for replicas, index in sums:
+        copies.setdefault(replicas, set()).add(index)
+    for replicas, indices in sorted(copies.items()):
+        missing = sorted(set(range(replicas)) - indices)
+        if missing:
+            return _Problem(UnverifiedReason.MISSING_REPLICA,
+                            f"copies {missing} of its layers replicated {replicas} times "
+                            "are missing")
+    checks = np.zeros((max(copies), num_blocks), dtype=np.uint64)
+    for k in range(checks.shape[0]):
+        for replicas in copies:
+            np.add(checks[k], sums[(replicas, k % replicas)], out=checks[k])
+    return checks
+
+
+def _compare_group(group_id: int, produced: PayloadGroup, producer_tokens: int,
+                   reports: Sequence[GroupChecksums], consumer_fingerprint: int,
+                   blocks: ConsumerGroupBlocks, consumer_tokens: int) -> GroupVerdict:
+    """Compare one group both sides checksummed."""
+    if consumer_fingerprint != produced.fingerprint:
+        return _group_unverified(
+            group_id, UnverifiedReason.FINGERPRINT_DIFFERS,
+            f"fingerprint differs (producer {produced.fingerprint:#x}, consumer "
+            f"{consumer_fingerprint:#x}): other layers or dtypes")
+    checks = _replica_checks(reports, blocks.num_blocks)
+    if isinstance(checks, _Problem):
+        return _group_unverified(group_id, *checks)
+    result = _compare_chunks(
+        _BlockValues(produced.start, produced.values[None, :], produced.block_size,
+                    producer_tokens),
+        _BlockValues(blocks.start, checks, blocks.block_size, consumer_tokens))
+    if isinstance(result, _Problem):
+        return _group_unverified(group_id, *result)
+    mismatched, compared = result
+    if mismatched:
+        return GroupVerdict(group_id=group_id, status=CheckStatus.MISMATCH,
+                            mismatched_blocks=mismatched, compared_blocks=compared)
+    return GroupVerdict(group_id=group_id, status=CheckStatus.VERIFIED,
+                        compared_blocks=compared)
+
+
+# -- lining up block positions ----------------------------------------------
+
+
+class _BlockValues(NamedTuple):
+    """One side's values of one group.
+
+    values[k, i] is check k of block position start + i, blocks of
+    block_size tokens, of a request holding num_tokens tokens.
+    """
+
+    start: int
+    values: np.ndarray
+    block_size: int
+    num_tokens: int
+
+
+class _Chunks(NamedTuple):
+    first: int  # chunk index of sums[:, 0]
+    sums: np.ndarray  # (checks, chunks) uint64
+    covered: np.ndarray  # bool per chunk: every block holding tokens is present
+    tokens: np.ndarray  # tokens of the request in each chunk
+
+
+def _chunks(side: _BlockValues, chunk_tokens: int) -> _Chunks:
+    """Sum a side's blocks into chunks of `chunk_tokens` (a multiple of its block size).
+
+    Blocks past the request's last token count as zero, so a chunk ending
+    in them is covered whole when the blocks holding tokens are present.
+    """
+    per_chunk = chunk_tokens // side.block_size
+    num_blocks = side.values.shape[1]
+    first = side.start // per_chunk
+    end = -(-(side.start + num_blocks) // per_chunk)
+    offset = side.start - first * per_chunk
+    padded = np.zeros((side.values.shape[0], (end - first) * per_chunk), dtype=np.uint64)
+    padded[:, offset:offset + num_blocks] = side.values
+    sums = padded.reshape(side.values.shape[0], end - first, per_chunk).sum(
+        axis=2, dtype=np.uint64)
+    index = np.arange(first, end, dtype=np.int64)
+    blocks_with_tokens = -(-side.num_tokens // side.block_size)
+    low = index * per_chunk
+    high = np.minimum(low + per_chunk, blocks_with_tokens)
+    covered = (low >= side.start) & (high <= side.start + num_blocks) & (high > low)
+    tokens = np.clip(side.num_tokens - index * chunk_tokens, 0, chunk_tokens)
+    return _Chunks(first, sums, covered, tokens)
+
+
+def _consumer_positions(chunks: np.ndarray, per_chunk: int, start: int,
+                        num_blocks: int) -> np.ndarray:
+    """The consumer's block positions inside the given chunks."""
+    positions = (chunks[:, None] * per_chunk + np.arange(per_chunk)[None, :]).ravel()
+    return positions[(positions >= start) & (positions < start + num_blocks)]
+
+
+def _compare_chunks(producer: _BlockValues,
+                    consumer: _BlockValues) -> tuple[tuple[int, ...], int] | _Problem:
+    """Compare the positions both sides hold, in chunks of the larger block size.
+
+    producer.values has one row; consumer.values one row per check, each
+    compared with it. A chunk is compared where both sides cover it whole
+    and hold the same number of tokens in it (with equal block sizes a
+    chunk is a block, so the last block counts only with equal token
+    counts). Returns (mismatched consumer block positions, number of
+    consumer blocks compared), or the problem that prevents comparing.
+    """
+    small, large = sorted((producer.block_size, consumer.block_size))
+    if large % small:
+        return _Problem(UnverifiedReason.BLOCK_SIZES_NOT_MULTIPLES,
+                        f"block sizes {producer.block_size} (producer) and "
+                        f"{consumer.block_size} (consumer) are not multiples of each other")
+    consumer_per_chunk = large // consumer.block_size
+    if consumer.start % consumer_per_chunk:
+        return _Problem(
+            UnverifiedReason.UNALIGNED_FIRST_BLOCK,
+            f"the consumer's first loaded block {consumer.start} (of {consumer.block_size} "
+            f"tokens) starts inside producer block "
+            f"{consumer.start // consumer_per_chunk} (of {producer.block_size} tokens)")
+    ours, theirs = _chunks(consumer, large), _chunks(producer, large)
+    first = max(ours.first, theirs.first)
+    end = min(ours.first + ours.sums.shape[1], theirs.first + theirs.sums.shape[1])
+    if end <= first:
+        return _Problem(UnverifiedReason.NO_COMMON_BLOCKS,
+                        "no block position is checksummed on both sides")
+    mine = slice(first - ours.first, end - ours.first)
+    other = slice(first - theirs.first, end - theirs.first)
+    compared = (ours.covered[mine] & theirs.covered[other]
+                & (ours.tokens[mine] == theirs.tokens[other]))
+    if not compared.any():
+        return _Problem(UnverifiedReason.NO_COMMON_BLOCKS,
+                        "no block position is checksummed whole on both sides "
+                        "with the same number of tokens")
+    differs = compared & (ours.sums[:, mine] != theirs.sums[:, other]).any(axis=0)
+    chunk_index = np.arange(first, end, dtype=np.int64)
+    count = _consumer_positions(chunk_index[compared], consumer_per_chunk, consumer.start,
+                                consumer.values.shape[1]).size
+    mismatched = _consumer_positions(chunk_index[differs], consumer_per_chunk, consumer.start,
+                                     consumer.values.shape[1])
+    return tuple(int(p) for p in mismatched), int(count)

@@ -1,0 +1,290 @@
+"""The producer's KV checksums as they travel to the consumer.
+
+A KVChecksumPayload holds, per KV cache group, one uint64 per block
+position of the whole model (the producer's TP and PP parts already
+summed by its scheduler), plus what the consumer needs to line its own
+blocks up with them: the number of tokens covered and each group's block
+size and first block position.
+
+Wire format, version 1: msgpack of the pair (version, body) with
+
+    body = (num_tokens, producer_tp_size,
+            [(group_id, fingerprint, block_size, start, values), ...])
+
+where `values` is a msgpack bin holding the group's checksums as
+little-endian uint64. `to_bytes` / `from_bytes` give these msgpack bytes
+(for connectors that carry bytes themselves); `encode` / `decode` wrap them
+in standard base64 text, for the "kv_checksums" entry of kv_transfer_params.
+
+The payload may come from a client (kv_transfer_params are part of the
+request), so decoding treats it as untrusted: any malformed input raises
+ValueError and nothing else, and the size limits below bound its time and
+memory before anything is allocated for it.
+
+This module imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PAYLOAD_VERSION = 1
+
+# Longest base64 text `decode` accepts. A group costs 8 bytes per block
+# position, about 10.7 once in base64: a 2M-token prompt with 16-token blocks
+# is 131072 positions, 1.4 MB of base64 per group, and even 1-token blocks
+# (16.8 MB per group) leave room for three groups. 64 MiB is far above any
+# real payload while keeping a hostile one to a bounded amount of work.
+MAX_PAYLOAD_BYTES = 64 * 2**20
+
+# Longest msgpack input `from_bytes` accepts: what MAX_PAYLOAD_BYTES of
+# base64 decodes to.
+MAX_PACKED_BYTES = MAX_PAYLOAD_BYTES // 4 * 3
+
+# Most groups a payload may list (models have a handful of KV cache groups).
+# It is also msgpack's array length limit, so a declared huge container
+# fails before anything is allocated for it.
+MAX_GROUPS = 1024
+
+_UINT64_LIMIT = 2**64
+# Counts and positions: non-negative and small enough for int64 arithmetic.
+_COUNT_LIMIT = 2**63
+
+_BODY_FIELDS = ("num_tokens", "producer_tp_size", "groups")
+_GROUP_FIELDS = ("group_id", "fingerprint", "block_size", "start", "values")
+
+
+def _short(value: Any) -> str:
+    """Client-supplied data, described briefly enough for an error message."""
+    if isinstance(value, (bytes, str, list, dict)):
+        return f"of length {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _checked_int(name: str, value: Any, low: int, limit: int) -> int:
+    """`value` as a Python int in [low, limit), or ValueError naming `name`.
+
+    Accepts ints and numpy integers; bool and float are refused, so a
+    payload field is never silently reinterpreted.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an integer, got bool {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an integer, got {type(value).__name__} {_short(value)}") from None
+    if not low <= number < limit:
+        raise ValueError(f"{name} must be in [{low}, {limit}), got {number}")
+    return number
+
+
+@dataclass(frozen=True, eq=False)
+class PayloadGroup:
+    """The producer's checksums of one KV cache group.
+
+    values[i] is the checksum of block position start + i, the tokens
+    [(start + i) * block_size, (start + i + 1) * block_size) of the request
+    (fewer in the last block). `fingerprint` identifies the group's layers
+    and dtypes on the producer (the sum of its PP stages' fingerprints).
+    """
+
+    fingerprint: int
+    block_size: int
+    start: int
+    values: np.ndarray
+
+    def __post_init__(self):
+        set_field = object.__setattr__
+        set_field(self, "fingerprint",
+                  _checked_int("fingerprint", self.fingerprint, 0, _UINT64_LIMIT))
+        set_field(self, "block_size", _checked_int("block_size", self.block_size, 1, _COUNT_LIMIT))
+        set_field(self, "start", _checked_int("start", self.start, 0, _COUNT_LIMIT))
+        values = self.values
+        if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind != "u" \
+                or values.dtype.itemsize != 8:
+            raise ValueError("values must be a 1-D uint64 numpy array, got "
+                             f"{getattr(values, 'dtype', type(values).__name__)} "
+                             f"with shape {getattr(values, 'shape', None)}")
+        set_field(self, "values", values.astype(np.uint64, copy=False))
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.values.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PayloadGroup):
+            return NotImplemented
+        return (self.fingerprint == other.fingerprint and self.block_size == other.block_size
+                and self.start == other.start and np.array_equal(self.values, other.values))
+
+    __hash__ = None  # mutable numpy values
+
+
+@dataclass(frozen=True, eq=False)
+class KVChecksumPayload:
+    """The producer's summed checksums of one request, per KV cache group id.
+
+    num_tokens: the tokens the checksums cover, [0, num_tokens); slots past
+      it in the last block are not part of any value.
+    producer_tp_size: the producer's TP size (some groups are compared only
+      between equal TP sizes).
+    groups: the groups the producer checksummed; a group it skipped or could
+      not sum is absent.
+    """
+
+    num_tokens: int
+    producer_tp_size: int
+    groups: dict[int, PayloadGroup]
+
+    def __post_init__(self):
+        set_field = object.__setattr__
+        set_field(self, "num_tokens", _checked_int("num_tokens", self.num_tokens, 0, _COUNT_LIMIT))
+        set_field(self, "producer_tp_size",
+                  _checked_int("producer_tp_size", self.producer_tp_size, 1, _COUNT_LIMIT))
+        if not isinstance(self.groups, dict):
+            raise ValueError(f"groups must be a dict, got {type(self.groups).__name__}")
+        if len(self.groups) > MAX_GROUPS:
+            raise ValueError(f"at most {MAX_GROUPS} groups, got {len(self.groups)}")
+        groups = {}
+        for group_id, group in self.groups.items():
+            group_id = _checked_int("group id", group_id, 0, _COUNT_LIMIT)
+            if not isinstance(group, PayloadGroup):
+                raise ValueError(f"group {group_id} must be a PayloadGroup, "
+                                 f"got {type(group).__name__}")
+            blocks_with_tokens = -(-self.num_tokens // group.block_size)
+            if group.start + group.num_blocks > blocks_with_tokens:
+                raise ValueError(
+                    f"group {group_id} has blocks up to position "
+                    f"{group.start + group.num_blocks - 1}, but {self.num_tokens} tokens fill "
+                    f"only {blocks_with_tokens} blocks of {group.block_size}")
+            groups[group_id] = group
+        set_field(self, "groups", groups)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KVChecksumPayload):
+            return NotImplemented
+        return (self.num_tokens == other.num_tokens
+                and self.producer_tp_size == other.producer_tp_size
+                and self.groups == other.groups)
+
+    __hash__ = None
+
+    # -- writing ---------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """The payload as msgpack bytes, for connectors that carry bytes."""
+        groups = [(group_id, group.fingerprint, group.block_size, group.start,
+                   group.values.astype("<u8", copy=False).tobytes())
+                  for group_id, group in sorted(self.groups.items())]
+        return msgpack.packb((PAYLOAD_VERSION, (self.num_tokens, self.producer_tp_size, groups)),
+                             use_bin_type=True)
+
+    def encode(self) -> str:
+        """The payload as base64 text, for kv_transfer_params["kv_checksums"]."""
+        return base64.b64encode(self.to_bytes()).decode("ascii")
+
+    # -- reading ---------------------------------------------------------
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> KVChecksumPayload:
+        """Read a payload written by `encode`; ValueError for anything else."""
+        if not isinstance(text, (str, bytes)):
+            raise ValueError(
+                f"KV checksum payload must be base64 text, got {type(text).__name__}")
+        if len(text) > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"KV checksum payload of {len(text)} characters exceeds "
+                             f"the limit of {MAX_PAYLOAD_BYTES}")
+        try:
+            packed = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"KV checksum payload is not valid base64: {exc}") from None
+        return cls.from_bytes(packed)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> KVChecksumPayload:
+        """Read a payload written by `to_bytes`; ValueError for anything else."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ValueError(f"KV checksum payload must be bytes, got {type(data).__name__}")
+        try:
+            data = bytes(data)
+            if len(data) > MAX_PACKED_BYTES:
+                raise ValueError(f"{len(data)} bytes exceed the limit of {MAX_PACKED_BYTES}")
+            return _payload_from_message(_unpack(data))
+        except ValueError as exc:
+            raise ValueError(f"invalid KV checksum payload: {exc}") from None
+        except Exception as exc:  # anything a hostile input provokes is a ValueError
+            raise ValueError(f"invalid KV checksum payload: "
+                             f"{type(exc).__name__}: {exc}") from None
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def _unpack(data: bytes) -> Any:
+    """msgpack-decode `data` with limits that fit a payload and nothing bigger."""
+    try:
+        return msgpack.unpackb(data, use_list=True, raw=False, strict_map_key=True,
+                               max_str_len=64, max_bin_len=len(data), max_array_len=MAX_GROUPS,
+                               max_map_len=0, max_ext_len=0, ext_hook=_refuse_ext)
+    except msgpack.exceptions.StackError:
+        raise ValueError("not valid msgpack (nested too deeply)") from None
+    except Exception as exc:
+        detail = str(exc) or "malformed input"
+        raise ValueError(f"not valid msgpack ({type(exc).__name__}: {detail})") from None
+
+
+def _fields(name: str, value: Any, names: tuple[str, ...]) -> list:
+    """`value` as a list of len(names) fields, or ValueError naming `name`."""
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be an array, got {type(value).__name__} {_short(value)}")
+    if len(value) != len(names):
+        raise ValueError(f"{name} must have {len(names)} fields ({', '.join(names)}), "
+                         f"got {len(value)}")
+    return value
+
+
+def _payload_from_message(message: Any) -> KVChecksumPayload:
+    """Build the payload from the decoded (version, body) pair, checking every type."""
+    if isinstance(message, list) and message and isinstance(message[0], int) \
+            and not isinstance(message[0], bool) and message[0] != PAYLOAD_VERSION:
+        raise ValueError(f"payload version {message[0]} is not supported "
+                         f"(this reader knows version {PAYLOAD_VERSION})")
+    version, body = _fields("payload", message, ("version", "body"))
+    _checked_int("payload version", version, PAYLOAD_VERSION, PAYLOAD_VERSION + 1)
+    num_tokens, producer_tp_size, group_list = _fields("payload body", body, _BODY_FIELDS)
+    num_tokens = _checked_int("num_tokens", num_tokens, 0, _COUNT_LIMIT)
+    producer_tp_size = _checked_int("producer_tp_size", producer_tp_size, 1, _COUNT_LIMIT)
+    if not isinstance(group_list, list):
+        raise ValueError(f"groups must be an array, got {type(group_list).__name__}")
+    groups: dict[int, PayloadGroup] = {}
+    for index, entry in enumerate(group_list):
+        group_id, fingerprint, block_size, start, values = _fields(
+            f"group entry {index}", entry, _GROUP_FIELDS)
+        group_id = _checked_int(f"group id of entry {index}", group_id, 0, _COUNT_LIMIT)
+        if group_id in groups:
+            raise ValueError(f"group {group_id} is listed twice")
+        if not isinstance(values, bytes):
+            raise ValueError(f"values of group {group_id} must be bin, "
+                             f"got {type(values).__name__}")
+        if len(values) % 8:
+            raise ValueError(f"values of group {group_id} hold {len(values)} bytes, "
+                             "not a multiple of 8")
+        groups[group_id] = PayloadGroup(
+            fingerprint=_checked_int(f"fingerprint of group {group_id}", fingerprint,
+                                     0, _UINT64_LIMIT),
+            block_size=_checked_int(f"block_size of group {group_id}", block_size,
+                                    1, _COUNT_LIMIT),
+            start=_checked_int(f"start of group {group_id}", start, 0, _COUNT_LIMIT),
+            values=np.frombuffer(values, dtype="<u8").astype(np.uint64))
+    return KVChecksumPayload(num_tokens=num_tokens, producer_tp_size=producer_tp_size,
+                             groups=groups)

@@ -1,0 +1,95 @@
+"""The model runners' side of KV checksums: creating the worker, each step.
+
+Both vLLM model runners call these: V1 (GPUModelRunner and its KV connector
+mixin, which the CPU backend's runner inherits) and V2 (ActiveKVConnector).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from vllm_kvchecksum.records import KVChecksumOutput, KVChecksumScheduled
+from vllm_kvchecksum.scheduler import kv_checksum_enabled
+from vllm_kvchecksum.worker import KVChecksumWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("vllm.kv_checksum")
+
+# hf_config attributes that give some layers, or the global attention, their
+# own KV head count: the model-wide count then does not describe every layer.
+_SEPARATE_KV_HEAD_COUNTS = ("num_global_key_value_heads", "global_num_key_value_heads",
+                            "num_key_value_heads_per_layer", "num_kv_heads_per_layer",
+                            "swa_num_key_value_heads", "num_swa_key_value_heads")
+
+
+def uniform_model_kv_heads(vllm_config: VllmConfig) -> int | None:
+    """The model's KV head count when every attention layer has it, else None.
+
+    It tells sharded from replicated heads when a rank holds one KV head:
+    valid only with no per-layer override, no separate global count, and a
+    draft model (if any) with the same count.
+    """
+    model_config = vllm_config.model_config
+    arch = model_config.model_arch_config
+    total = arch.total_num_kv_heads
+    for override in arch.per_layer_overrides or ():
+        if "total_num_kv_heads" in override:
+            return None
+    hf = model_config.hf_text_config
+    if any(getattr(hf, name, None) is not None for name in _SEPARATE_KV_HEAD_COUNTS):
+        return None
+    spec = vllm_config.speculative_config
+    draft = getattr(spec, "draft_model_config", None) if spec is not None else None
+    if draft is not None and draft is not model_config:
+        try:
+            if draft.get_total_num_kv_heads() != total:
+                return None
+        except Exception:  # a draft without a readable head count: do not guess
+            return None
+    return total
+
+
+def create_kv_checksum_worker(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                              kv_caches: dict[str, torch.Tensor]) -> KVChecksumWorker | None:
+    """The worker's KVChecksumWorker, or None when KV checksums are off.
+
+    Call once the KV cache is allocated and registered with the connector.
+    Compiles the kernel for every layer shape before returning.
+    """
+    if not kv_checksum_enabled(vllm_config):
+        return None
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    worker = KVChecksumWorker(kv_cache_config, kv_caches, tp_rank=tp.rank_in_group, tp_size=tp.world_size,
+                              pp_rank=pp.rank_in_group, pp_size=pp.world_size,
+                              model_kv_heads=uniform_model_kv_heads(vllm_config))
+    worker.warm_up()
+    return worker
+
+
+def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumScheduled | None,
+                  finished_recving: set[str] | None, *, sends: bool = True,
+                  recvs: bool = True) -> KVChecksumOutput | None:
+    """Queue this step's checksums; call after the step's forward.
+
+    sends: the producer requests whose prompt KV the step finished (pass
+      False when a drafter still writes KV; call again with recvs=False
+      after it). recvs: the consumer loads that this worker's connector
+      reports finished in this step (the scheduler lists every pending load).
+    """
+    if worker is None or scheduled is None:
+        return None
+    outputs = []
+    if sends and scheduled.reqs_to_send:
+        outputs.append(worker.compute(scheduled.reqs_to_send, replica_zero_only=True))
+    if recvs and finished_recving and scheduled.reqs_to_recv:
+        loaded = {rid: b for rid, b in scheduled.reqs_to_recv.items() if rid in finished_recving}
+        if loaded:
+            outputs.append(worker.compute(loaded, replica_zero_only=False))
+    return KVChecksumOutput.aggregate(outputs)
