@@ -222,16 +222,22 @@ def prompt_of(num_tokens: int, seed: int = 0) -> list[int]:
     return [(i * 31 + seed * 7) % 500 + 10 for i in range(num_tokens)]
 
 
-def run_local(side: Side, prompt: list[int]) -> Request:
-    """A request computed locally to its end (e.g. to seed a prefix-cache hit)."""
-    req = make_request(prompt, block_size=side.block_size, max_tokens=1)
-    side.scheduler.add_request(req)
+def forward_of(side: Side, req: Request):
+    """What the step's forward writes for `req`: the KV of its scheduled tokens."""
 
     def forward(out):
         if req.request_id in out.num_scheduled_tokens:
             end = req.num_computed_tokens
             side.write_tokens(req.request_id, end - out.num_scheduled_tokens[req.request_id], end)
 
+    return forward
+
+
+def run_local(side: Side, prompt: list[int]) -> Request:
+    """A request computed locally to its end (e.g. to seed a prefix-cache hit)."""
+    req = make_request(prompt, block_size=side.block_size, max_tokens=1)
+    side.scheduler.add_request(req)
+    forward = forward_of(side, req)
     for _ in range(8):
         side.step(forward=forward)
         if req.is_finished():
@@ -243,12 +249,7 @@ def prefill(producer: Side, prompt: list[int]) -> tuple[Request, dict]:
     """A producer request run to its end; returns it and its kv_transfer_params."""
     req = make_request(prompt, remote_decode=True, block_size=producer.block_size)
     producer.scheduler.add_request(req)
-
-    def forward(out):
-        if req.request_id in out.num_scheduled_tokens:
-            end = req.num_computed_tokens
-            producer.write_tokens(req.request_id, end - out.num_scheduled_tokens[req.request_id], end)
-
+    forward = forward_of(producer, req)
     for _ in range(8):
         _, outputs = producer.step(forward=forward)
         if req.request_id in outputs and outputs[req.request_id].kv_transfer_params is not None:
