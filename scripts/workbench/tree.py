@@ -10,8 +10,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from .series import (BASE_TAG, BASE_VERSION, Patch, SeriesError, format_series, init_base_repo, read_series,
-                     run)
+from .series import (BASE_TAG, BASE_VERSION, SDIST_TAG, Patch, SeriesError, commit_overlay, format_series,
+                     init_base_repo, read_series, run)
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build"
@@ -69,9 +69,14 @@ def unpack_sdist(sdist: Path, dest: Path) -> None:
         top.rename(dest)
 
 
-def make_base_tree(dest: Path, sdist: Path) -> None:
+def make_base_tree(dest: Path, sdist: Path, wheel: Path | None = None) -> None:
+    """The sdist as a git repo; with a wheel, plus its runtime overlay (BASE_TAG)."""
+    from .runtime import overlay_files
+
     unpack_sdist(sdist, dest)
     init_base_repo(dest)
+    if wheel is not None:
+        commit_overlay(dest, overlay_files(wheel, sdist), wheel.name)
 
 
 def _formatted(tree: Path) -> dict[str, bytes]:
@@ -92,7 +97,7 @@ def _digest(files: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def sync_tree(tree: Path = TREE, force: bool = False) -> str:
+def sync_tree(tree: Path = TREE, force: bool = False, wheel: Path | None = None) -> str:
     """Bring build/vllm to base + patches/, keeping any unrefreshed work.
 
     The tree is reset only if its commits are the ones the last sync put
@@ -101,9 +106,17 @@ def sync_tree(tree: Path = TREE, force: bool = False) -> str:
     yet refreshed are refused, not thrown away.
     """
     patches = read_series(PATCHES)
+    if (tree / ".git").exists() and run(["git", "rev-parse", "-q", "--verify", SDIST_TAG], cwd=tree,
+                                        check=False).returncode != 0:
+        # Made before the runtime overlay existed: rebuild it if nothing would be lost.
+        if _formatted(tree) != _wanted(patches) and not force:
+            raise SeriesError("build/vllm predates the runtime overlay and has work not in patches/: run "
+                              "`make refresh` first, or `make setup FORCE=1` to rebuild it")
+        log("rebuilding build/vllm (it predates the runtime overlay commit)")
+        shutil.rmtree(tree)
     if not (tree / ".git").exists():
         log(f"creating {tree.relative_to(ROOT)} from the v{BASE_VERSION} sdist")
-        make_base_tree(tree, download_sdist())
+        make_base_tree(tree, download_sdist(), wheel)
     dirty = run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree).stdout.strip()
     if dirty:
         raise SeriesError(
@@ -135,3 +148,17 @@ def sync_tree(tree: Path = TREE, force: bool = False) -> str:
             raise SeriesError(f"{patch.name} does not apply on the base:\n{result.stdout}{result.stderr}")
     stamp.write_text(_digest(_formatted(tree)) + "\n")
     return f"build/vllm: base + {len(patches)} patches"
+
+
+def base_worktree(path: Path) -> Path:
+    """A worktree of build/vllm at BASE_TAG, made anew if it belongs to an older build/vllm."""
+    if (path / ".git").exists() and run(["git", "rev-parse", "--git-dir"], cwd=path, check=False).returncode != 0:
+        shutil.rmtree(path)
+    if not (path / ".git").exists():
+        if path.exists():
+            shutil.rmtree(path)
+        run(["git", "worktree", "prune"], cwd=TREE)
+        run(["git", "worktree", "add", "-q", "--detach", "--force", str(path), BASE_TAG], cwd=TREE)
+    run(["git", "checkout", "-q", "--detach", BASE_TAG], cwd=path)
+    run(["git", "reset", "-q", "--hard", BASE_TAG], cwd=path)
+    return path

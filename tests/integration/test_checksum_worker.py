@@ -6,7 +6,6 @@ import logging
 import pickle
 import threading
 
-import numpy as np
 import pytest
 import torch
 from kv_setup import build_caches
@@ -312,7 +311,7 @@ def test_skipped_group_next_to_a_checksummed_one(kind, caplog):
     finally:
         logger.removeHandler(caplog.handler)
     assert reason in w.skipped_groups[1]
-    assert f"group 1 is not checksummed" in caplog.text
+    assert "group 1 is not checksummed" in caplog.text
     req = {"r": blocks(REQ["r"].num_tokens, {0: (0, [5, 2, 7, 1]), 1: (0, [5, 2, 7, 1])})}
     out = w.compute(req, replica_zero_only=True)
     rec = out.finalize()[0]

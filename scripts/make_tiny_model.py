@@ -1,0 +1,41 @@
+#!/usr/bin/env python
+"""Write a tiny random Llama and a local tokenizer for real engines on CPU.
+
+    .venv/bin/python scripts/make_tiny_model.py build/tiny-llama
+
+4 layers, hidden 128, 4 attention heads, 2 KV heads, vocab 512, bf16,
+random weights (seeded), and a WordLevel tokenizer over the same 512 ids.
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def make(path: Path, seed: int = 0) -> Path:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16")
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, 512)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(path)
+    return path
+
+
+if __name__ == "__main__":
+    print(make(Path(sys.argv[1] if len(sys.argv) > 1 else "build/tiny-llama").resolve()))
