@@ -52,6 +52,8 @@ def main() -> int:
         print("FAIL: the producer returned no kv_checksums")
         return 1
     print(f"payload: {len(params['kv_checksums'])} base64 characters")
+    # The reference: the same prompt prefilled and decoded on one engine.
+    reference = producer.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0].outputs[0].text
     consumer = engine(model, "kv_consumer", 5711, fail_closed=True)
     sp = SamplingParams(max_tokens=16, temperature=0, extra_args={"kv_transfer_params": params})
     got = consumer.generate([prompt], sp)[0].outputs[0]
@@ -59,6 +61,11 @@ def main() -> int:
     if got.finish_reason == "error":
         ok = False
         print("FAIL: the consumer failed the load")
+    elif got.text != reference:
+        ok = False
+        print(f"FAIL: the consumer's output differs from the single-engine reference {reference!r}")
+    else:
+        print("consumer output equals the single-engine reference")
     print(json.dumps({"ok": ok}))
     return 0 if ok else 1
 

@@ -265,5 +265,7 @@ class KVChecksumScheduler:
                     logger.warning("KV loads are unverified (%s), %s; e.g. %s. Further loads unverified for this "
                                    "reason are logged at debug level.", key.value, action, verdict.describe())
             logger.debug("%s; %s.", verdict.describe(), action)
+        elif self.stats["verified"] == 1:
+            logger.info("%s; further verified loads are logged at debug level.", verdict.describe())
         else:
             logger.debug(verdict.describe())

@@ -108,10 +108,10 @@ def rebase_check(version: str) -> tuple[str, Path]:
             how = sorted(set(re.findall(r"with fuzz \d+|offset -?\d+ lines?", dry.stdout)))
             rows.append((patch.name, "applies with fuzz", ", ".join(how)))
             continue
-        files = sorted(set(re.findall(r"^patching file (\S+)\n(?:.*\n)*?Hunk #\d+ FAILED", dry.stdout, re.M)
+        files = sorted(set(re.findall(r"^(?:patching|checking) file (\S+)\n(?:(?!(?:patching|checking) file).*\n)*?Hunk #\d+ FAILED", dry.stdout, re.M)
                            + re.findall(r"can't find file to patch.*?\n.*?\|diff --git a/(\S+)", dry.stdout, re.S)))
         if not files:
-            files = sorted(set(re.findall(r"^patching file (\S+)", dry.stdout, re.M)))
+            files = sorted(set(re.findall(r"^(?:patching|checking) file (\S+)", dry.stdout, re.M)))
         rows.append((patch.name, "conflicts", ", ".join(files)))
     lines = [f"# Rebase check: the series on vLLM {version}", "",
              f"Base of the series: v{BASE_VERSION}; command: `make rebase-check VLLM_VERSION={version}`.", "",
