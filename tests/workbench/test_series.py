@@ -105,10 +105,12 @@ def fake_series(tmp_path: Path) -> tuple[Path, Path]:
     S.init_base_repo(work)
     for i, text in enumerate(["x = 2\n", "x = 3\n"], 1):
         (work / "vllm" / "a.py").write_text(text)
-        S.run(["git", "commit", "-q", "-am", f"change {i}"], cwd=work)
+        S.run(["git", "commit", "-q", "-am", f"change {i}"], cwd=work,
+              env={"GIT_AUTHOR_DATE": S.BASE_DATE, "GIT_COMMITTER_DATE": S.BASE_DATE})
     patches = tmp_path / "patches"
     patches.mkdir()
     assert S.refresh(work, patches).startswith("refreshed")
+    assert S.refresh(work, patches) == "patches/ is current (2 patches)"
     S.run(["git", "reset", "-q", "--hard", S.BASE_TAG], cwd=work)
     shutil.rmtree(work / ".git")
     return work, patches
