@@ -8,9 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .runtime import DEVICE_WHEELS, install_ops
 from .series import BASE_VERSION, Patch, SeriesError, read_series, run
-from .tree import BUILD, PATCHES, ROOT, base_worktree, download_sdist, download_wheel, log, unpack_sdist
+from .tree import BUILD, PATCHES, ROOT, base_worktree, download_sdist, log, unpack_sdist
 
 
 def patched_modules(patches: list[Patch]) -> list[str]:
@@ -24,19 +23,12 @@ def patched_modules(patches: list[Patch]) -> list[str]:
     return sorted(mods)
 
 
-def _prefix_tree(device: str) -> Path:
-    """A worktree of build/vllm at the base, reset for each prefix."""
-    wt = base_worktree(BUILD / "check-series")
-    install_ops(download_wheel(DEVICE_WHEELS[device]["dist"]), download_sdist(), wt)
-    return wt
-
-
 def check_series(device: str = "cpu", pytest_args: list[str] | None = None) -> int:
     """Apply the patches one at a time; after each, import and test what it names."""
     patches = read_series(PATCHES)
     if not patches:
         raise SeriesError("patches/series is empty")
-    wt = _prefix_tree(device)
+    wt = base_worktree(BUILD / "check-series", device)
     env = dict(os.environ, PYTHONPATH=f"{wt}{os.pathsep}{ROOT}", KVCS_VLLM_TREE=str(wt))
     if device == "cpu":
         # On PYTHONPATH the tree's own vllm.egg-info (0.32.0, from the sdist)

@@ -150,8 +150,11 @@ def sync_tree(tree: Path = TREE, force: bool = False, wheel: Path | None = None)
     return f"build/vllm: base + {len(patches)} patches"
 
 
-def base_worktree(path: Path) -> Path:
-    """A worktree of build/vllm at BASE_TAG, made anew if it belongs to an older build/vllm."""
+def base_worktree(path: Path, device: str = "cpu") -> Path:
+    """A worktree of build/vllm at BASE_TAG with the device's compiled ops,
+    made anew if it belongs to an older build/vllm."""
+    from .runtime import DEVICE_WHEELS, install_ops
+
     if (path / ".git").exists() and run(["git", "rev-parse", "--git-dir"], cwd=path, check=False).returncode != 0:
         shutil.rmtree(path)
     if not (path / ".git").exists():
@@ -161,4 +164,5 @@ def base_worktree(path: Path) -> Path:
         run(["git", "worktree", "add", "-q", "--detach", "--force", str(path), BASE_TAG], cwd=TREE)
     run(["git", "checkout", "-q", "--detach", BASE_TAG], cwd=path)
     run(["git", "reset", "-q", "--hard", BASE_TAG], cwd=path)
+    install_ops(download_wheel(DEVICE_WHEELS[device]["dist"]), download_sdist(), path)
     return path

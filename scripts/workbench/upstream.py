@@ -123,14 +123,9 @@ def run_file(tree: Path, rel: str, out_dir: Path) -> tuple[str, dict[str, str], 
 
 def pristine_tree() -> Path:
     """A worktree of build/vllm at the unpatched base, with the ops."""
-    from .runtime import DEVICE_WHEELS, install_ops
-    from .tree import download_sdist, download_wheel
-
     from .tree import base_worktree
 
-    wt = base_worktree(BUILD / "upstream-base")
-    install_ops(download_wheel(DEVICE_WHEELS["cpu"]["dist"]), download_sdist(), wt)
-    return wt
+    return base_worktree(BUILD / "upstream-base", "cpu")
 
 
 def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only: list[str] | None = None) -> int:
