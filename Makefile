@@ -3,6 +3,8 @@
 
 VLLM_DEVICE ?= cpu
 VLLM_VERSION ?= 0.34.0
+VLLM_GIT ?=
+VLLM_REF ?= main
 VLLM_SRC ?=
 PY := .venv/bin/python
 WORKBENCH := cd scripts && ../$(PY) -m workbench
@@ -38,8 +40,8 @@ refresh: ## rewrite patches/ from the commits on top of the base in build/vllm
 check-series: setup ## every prefix of the series applies, imports, passes its tests
 	ci/check-series.sh
 
-rebase-check: setup ## report how the series applies to VLLM_VERSION (default 0.34.0)
-	ci/rebase-check.sh $(VLLM_VERSION)
+rebase-check: setup ## report how the series applies to VLLM_VERSION (default 0.34.0), or VLLM_REF of VLLM_GIT
+	VLLM_GIT="$(VLLM_GIT)" VLLM_REF="$(VLLM_REF)" ci/rebase-check.sh $(VLLM_VERSION)
 
 bench: setup ## checksum benchmarks (figures in docs/performance.md)
 	$(PY) scripts/bench_checksum.py

@@ -9,6 +9,15 @@ scheduling the 128K-token prompt in one step and processing its output.
 
     .venv/bin/python scripts/bench_scheduler.py [--tokens 131072] [--repeat 5]
 
+With --in-flight it measures instead what each step's SchedulerOutput
+carries for KV checksums on a consumer with 1, 16, 64 and 256 loads of
+--load-tokens tokens in flight: its pickled bytes and pickling time, when
+every step re-lists every pending load (the old scheme) and in a steady
+decode step now (what build_checksum_meta returns), as ratios to a real
+scheduler decode step of --decode-batch requests measured in the same run:
+
+    .venv/bin/python scripts/bench_scheduler.py --in-flight [--load-tokens 32768] [--decode-batch 64]
+
 Needs the patched vLLM (make setup) and the offline HF configs; it sets
 HF_HOME to build/hf-home itself.
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
 import sys
 import time
@@ -32,9 +42,10 @@ import numpy as np  # noqa: E402
 
 from vllm_kvchecksum.compare import compare_load, sum_producer  # noqa: E402
 from vllm_kvchecksum.payload import KVChecksumPayload  # noqa: E402
-from vllm_kvchecksum.records import GroupChecksums, KVChecksumRecord  # noqa: E402
+from vllm_kvchecksum.records import GroupChecksums, KVChecksumRecord, KVChecksumScheduled  # noqa: E402
 
 BLOCK = 16
+IN_FLIGHT = (1, 16, 64, 256)
 
 
 def timed(fn, repeat):
@@ -57,57 +68,166 @@ def records(num_blocks, groups, tp, rng):
     return out
 
 
-def scheduler_step_time(tokens, repeat):
-    """schedule() + update_from_output() of one step prefilling `tokens` tokens."""
+def vllm_setup(max_len, num_blocks, max_num_seqs, kv_transfer_config=None):
+    """A VllmConfig and a one-group KVCacheConfig for a CPU scheduler."""
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
 
-    init_none_hash(sha256)
-    max_len = tokens + 64
     config = VllmConfig(
         model_config=ModelConfig(model="facebook/opt-125m", dtype="bfloat16", max_model_len=max_len),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_len, max_model_len=max_len,
-                                         enable_chunked_prefill=True, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True), device_config=DeviceConfig("cpu"))
-    num_blocks = 2 * tokens // BLOCK + 16
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_len,
+                                         max_model_len=max_len, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True), device_config=DeviceConfig("cpu"),
+        kv_transfer_config=kv_transfer_config)
     config.cache_config.num_gpu_blocks = num_blocks
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
         ["model.layers.0.attn"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,
                                                    dtype=torch.bfloat16))])
-    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_config, log_stats=False,
-                          structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
+    return config, kv_config
+
+
+def new_scheduler(config, kv_config):
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    init_none_hash(sha256)
+    return Scheduler(vllm_config=config, kv_cache_config=kv_config, log_stats=False,
+                     structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
+
+
+def new_request(request_id, prompt, max_tokens):
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=max_tokens)
+    sp.update_from_generation_config({}, 2)
+    return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=sp, pooling_params=None,
+                   mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+def run_step(scheduler):
+    """schedule() + update_from_output(), each scheduled request sampling one token; the output."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = scheduler.schedule()
+    reqs = list(out.num_scheduled_tokens)
+    scheduler.update_from_output(out, ModelRunnerOutput(
+        req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)}, sampled_token_ids=[[5] for _ in reqs],
+        logprobs=None, prompt_logprobs_dict={}, pooler_output=None))
+    return out
+
+
+def scheduler_step_time(tokens, repeat):
+    """schedule() + update_from_output() of one step prefilling `tokens` tokens."""
+    max_len = tokens + 64
+    scheduler = new_scheduler(*vllm_setup(max_len, 2 * tokens // BLOCK + 16, max_num_seqs=4))
     times = []
     for i in range(repeat):
-        sp = SamplingParams(max_tokens=1)
-        sp.update_from_generation_config({}, 2)
-        req = Request(request_id=f"b{i}", prompt_token_ids=[(j * 7 + i) % 5000 + 3 for j in range(tokens)],
-                      sampling_params=sp, pooling_params=None, mm_features=None,
-                      block_hasher=get_request_block_hasher(BLOCK, sha256))
-        scheduler.add_request(req)
+        scheduler.add_request(new_request(f"b{i}", [(j * 7 + i) % 5000 + 3 for j in range(tokens)], 1))
         start = time.perf_counter()
-        out = scheduler.schedule()
-        runner = ModelRunnerOutput(req_ids=[req.request_id], req_id_to_index={req.request_id: 0},
-                                   sampled_token_ids=[[5]], logprobs=None, prompt_logprobs_dict={},
-                                   pooler_output=None)
-        scheduler.update_from_output(out, runner)
+        run_step(scheduler)
         times.append(time.perf_counter() - start)
         scheduler.reset_prefix_cache()
     return statistics.median(times)
+
+
+def decode_step(batch, repeat):
+    """A real scheduler's decode step of `batch` running requests (checksums
+    off): median seconds of schedule() + update_from_output(), and the
+    pickled bytes and median pickling seconds of its SchedulerOutput."""
+    prompt_len = 512
+    scheduler = new_scheduler(*vllm_setup(4096, batch * (prompt_len + 4 * repeat) // BLOCK + 64, max_num_seqs=batch))
+    reqs = [new_request(f"d{i}", [(j * 7 + i) % 5000 + 3 for j in range(prompt_len)], max_tokens=4 * repeat + 64)
+            for i in range(batch)]
+    for req in reqs:
+        scheduler.add_request(req)
+    while any(req.num_computed_tokens < prompt_len for req in reqs):
+        run_step(scheduler)  # the prefills, chunked by the token budget
+    times, out = [], None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        out = run_step(scheduler)
+        times.append(time.perf_counter() - start)
+    assert len(out.num_scheduled_tokens) == batch and out.total_num_scheduled_tokens == batch
+    return statistics.median(times), len(pickle.dumps(out)), timed(lambda: pickle.dumps(out), repeat)
+
+
+class _CarriesInParams:
+    """The scheduler half of a connector whose loads carry checksums in kv_transfer_params."""
+
+    def kv_checksum_carrier(self, request, receiving):
+        from vllm_kvchecksum.carrier import KVChecksumCarrier
+
+        return KVChecksumCarrier.KV_TRANSFER_PARAMS
+
+
+def checksum_scheduler_with_loads(num_loads, load_tokens, rng):
+    """A KVChecksumScheduler whose first step started `num_loads` loads of
+    `load_tokens` tokens each (block ids drawn from a 256-load cache, so
+    their pickled size does not depend on the count)."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+
+    from vllm_kvchecksum.scheduler import KVChecksumScheduler
+
+    kv = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer", enable_kv_checksum=True)
+    config, kv_config = vllm_setup(load_tokens + 64, 16, max_num_seqs=4, kv_transfer_config=kv)
+    checksums = KVChecksumScheduler(config, kv_config, _CarriesInParams())
+    blocks_per_load = load_tokens // BLOCK
+    pool = rng.permutation(np.arange(1, max(IN_FLIGHT) * blocks_per_load + 1))
+    for i in range(num_loads):
+        block_ids = pool[i * blocks_per_load:(i + 1) * blocks_per_load].tolist()
+        request = SimpleNamespace(request_id=f"load-{i}", kv_transfer_params={})
+        checksums.add_recv(request, (block_ids,), 0, load_tokens)
+    return checksums
+
+
+def pickled(obj, repeat):
+    return len(pickle.dumps(obj)), timed(lambda: pickle.dumps(obj), repeat)
+
+
+def in_flight_table(args) -> None:
+    rng = np.random.default_rng(0)
+    step, step_bytes, step_pickle = decode_step(args.decode_batch, args.repeat)
+    print(f"scheduler decode step, {args.decode_batch} running requests: {step * 1e3:.2f} ms (median of "
+          f"{args.repeat}); its SchedulerOutput pickles to {step_bytes / 1024:.1f} KiB in "
+          f"{step_pickle * 1e3:.3f} ms\n")
+    print("| loads in flight | before: KiB / step | before: x step output bytes | before: pickle ms "
+          "| before: pickle / step | after: bytes / step | after: pickle ms | after: pickle / step "
+          "| sent once per load: KiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for num_loads in IN_FLIGHT:
+        checksums = checksum_scheduler_with_loads(num_loads, args.load_tokens, rng)
+        start_bytes = len(pickle.dumps(checksums.build_checksum_meta()))
+        # The old scheme: every step re-listed every pending load.
+        before = KVChecksumScheduled(reqs_to_recv={rid: p.blocks for rid, p in checksums._recvs.items()})
+        after = checksums.build_checksum_meta()  # a steady decode step
+        b_bytes, b_time = pickled(before, args.repeat)
+        a_bytes, a_time = pickled(after, args.repeat)
+        print(f"| {num_loads} | {b_bytes / 1024:.1f} | {b_bytes / step_bytes:.0f} | {b_time * 1e3:.2f} | "
+              f"{b_time / step:.3f} | {a_bytes} ({after!r}) | {a_time * 1e3:.4f} | {a_time / step:.4f} | "
+              f"{start_bytes / num_loads / 1024:.1f} |")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--in-flight", action="store_true",
+                        help="measure the per-step checksum part of SchedulerOutput with loads in flight")
+    parser.add_argument("--load-tokens", type=int, default=32768)
+    parser.add_argument("--decode-batch", type=int, default=64)
     args = parser.parse_args()
+    if args.in_flight:
+        in_flight_table(args)
+        return 0
     num_blocks = args.tokens // BLOCK
     rng = np.random.default_rng(0)
     step = scheduler_step_time(args.tokens, args.repeat)

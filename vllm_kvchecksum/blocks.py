@@ -2,11 +2,15 @@
 
 Both sides apply the same rule to the tokens they hold, so producer and
 consumer checksum the same block positions: the blocks holding tokens
-[first_token, end_token) of each group, with leading null blocks (out of a
-sliding window) dropped, a group with a null block after a non-null one
-left out, and sliding-window groups clipped to their last
-cdiv(window, block_size) + 1 blocks, the clip NIXL and Mooncake apply to
-what they transfer.
+[first_token, end_token) of each group, clipped to the trailing blocks the
+connector transfers for that group (`GroupLayout.window_blocks`, taken from
+vLLM's own rule, `sliding_window_transfer_blocks`, which NIXL and Mooncake
+use to choose what they send), with leading null blocks (out of a sliding
+window) dropped, and a group with a null block after a non-null one left
+out. Comparing fewer blocks than were transferred would let corruption in
+the others pass as verified, so the clip must never be re-derived here.
+
+This module imports no vLLM: the scheduler glue fills the layouts in.
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ from vllm_kvchecksum.records import GroupBlocks
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """What the block rule needs to know of one KV cache group."""
+    """What the block rule needs to know of one KV cache group.
+
+    window_blocks: how many trailing blocks of the request the connector
+      transfers for this group; 0 means every block.
+    """
 
     group_id: int
     block_size: int
-    sliding_window: int | None = None
+    window_blocks: int = 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,8 +43,8 @@ def group_blocks(block_ids: Sequence[int], layout: GroupLayout, first_token: int
     """The group's blocks for tokens [first_token, end_token); None if left out."""
     bs = layout.block_size
     start, stop = first_token // bs, min(cdiv(end_token, bs), len(block_ids))
-    if layout.sliding_window is not None:
-        start = max(start, stop - (cdiv(layout.sliding_window, bs) + 1))
+    if layout.window_blocks:
+        start = max(start, stop - layout.window_blocks)
     while start < stop and block_ids[start] == null_block_id:
         start += 1
     ids = tuple(block_ids[start:stop])

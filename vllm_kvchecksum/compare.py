@@ -59,6 +59,7 @@ class UnverifiedReason(str, enum.Enum):
     UNSCHEDULED_BLOCKS = "unscheduled_blocks"  # a worker checksummed other blocks
     MALFORMED_RECORD = "malformed_record"  # a record contradicts itself or others
     NO_GROUPS = "no_groups"  # every group skipped on both sides
+    COMPARISON_ERROR = "comparison_error"  # comparing raised (a bug); set by the scheduler glue
     # One group.
     NOT_CHECKSUMMED_BY_PRODUCER = "not_checksummed_by_producer"
     NOT_CHECKSUMMED_BY_CONSUMER = "not_checksummed_by_consumer"
@@ -512,41 +513,80 @@ class _BlockValues(NamedTuple):
 
 
 class _Chunks(NamedTuple):
-    first: int  # chunk index of sums[:, 0]
+    """One side's values summed per chunk, over a range of chunk indices."""
+
     sums: np.ndarray  # (checks, chunks) uint64
     covered: np.ndarray  # bool per chunk: every block holding tokens is present
     tokens: np.ndarray  # tokens of the request in each chunk
 
 
-def _chunks(side: _BlockValues, chunk_tokens: int) -> _Chunks:
-    """Sum a side's blocks into chunks of `chunk_tokens` (a multiple of its block size).
+# The payload may come from a client, so the producer's block size, first
+# position and token count can be anything the decoder lets through (up to
+# 2**40). So the chunks both sides hold blocks of are worked out first, with
+# Python ints, and only they are looked at: each holds a consumer block, so
+# there are no more of them than consumer blocks, and no more producer blocks
+# inside them than the consumer's blocks have tokens. Every array below has
+# one entry per such chunk or block; none is sized by a payload value. numpy
+# sees no product of two payload values either, so nothing can wrap.
 
-    Blocks past the request's last token count as zero, so a chunk ending
-    in them is covered whole when the blocks holding tokens are present.
+
+def _chunk_range(side: _BlockValues, per_chunk: int) -> tuple[int, int]:
+    """The chunks [first, end) holding a side's blocks, `per_chunk` blocks to a chunk."""
+    return side.start // per_chunk, -(-(side.start + side.values.shape[1]) // per_chunk)
+
+
+def _covered_chunk_range(side: _BlockValues, per_chunk: int) -> tuple[int, int]:
+    """The chunks [first, end) the side holds whole.
+
+    A chunk is held whole when every one of its blocks holding tokens is
+    present (blocks past the request's last token count as zero) and it
+    holds some token. The blocks present are one range, so these chunks are
+    one range too.
+    """
+    blocks_end = side.start + side.values.shape[1]
+    blocks_with_tokens = -(-side.num_tokens // side.block_size)
+    if blocks_with_tokens <= blocks_end:
+        end = -(-blocks_with_tokens // per_chunk)
+    else:
+        end = blocks_end // per_chunk
+    return -(-side.start // per_chunk), end
+
+
+def _chunks(side: _BlockValues, chunk_tokens: int, first: int, end: int) -> _Chunks:
+    """Sum a side's blocks into chunks [first, end) of `chunk_tokens` tokens.
+
+    `chunk_tokens` is a multiple of the side's block size, and each of the
+    chunks must hold at least one of its blocks. Allocates per chunk and per
+    block of the side inside the chunks, nothing more.
     """
     per_chunk = chunk_tokens // side.block_size
-    num_blocks = side.values.shape[1]
-    first = side.start // per_chunk
-    end = -(-(side.start + num_blocks) // per_chunk)
-    offset = side.start - first * per_chunk
-    padded = np.zeros((side.values.shape[0], (end - first) * per_chunk), dtype=np.uint64)
-    padded[:, offset:offset + num_blocks] = side.values
-    sums = padded.reshape(side.values.shape[0], end - first, per_chunk).sum(
-        axis=2, dtype=np.uint64)
+    low = max(first * per_chunk, side.start)
+    high = min(end * per_chunk, side.start + side.values.shape[1])
+    values = side.values[:, low - side.start:high - side.start]
+    # The chunk of each block; a new chunk begins where it changes.
+    chunk_of_block = (low + np.arange(high - low, dtype=np.int64)) // per_chunk
+    begins = np.flatnonzero(np.diff(chunk_of_block, prepend=first - 1))
+    sums = np.add.reduceat(values, begins, axis=1, dtype=np.uint64)
     index = np.arange(first, end, dtype=np.int64)
-    blocks_with_tokens = -(-side.num_tokens // side.block_size)
-    low = index * per_chunk
-    high = np.minimum(low + per_chunk, blocks_with_tokens)
-    covered = (low >= side.start) & (high <= side.start + num_blocks) & (high > low)
-    tokens = np.clip(side.num_tokens - index * chunk_tokens, 0, chunk_tokens)
-    return _Chunks(first, sums, covered, tokens)
+    covered_first, covered_end = _covered_chunk_range(side, per_chunk)
+    covered = (index >= covered_first) & (index < covered_end)
+    # Chunks before full_chunks hold chunk_tokens tokens, the next one the rest.
+    full_chunks, rest = divmod(side.num_tokens, chunk_tokens)
+    tokens = np.where(index < full_chunks, chunk_tokens, np.where(index == full_chunks, rest, 0))
+    return _Chunks(sums, covered, tokens)
 
 
-def _consumer_positions(chunks: np.ndarray, per_chunk: int, start: int,
+def _consumer_positions(in_chunk: np.ndarray, first: int, per_chunk: int, start: int,
                         num_blocks: int) -> np.ndarray:
-    """The consumer's block positions inside the given chunks."""
-    positions = (chunks[:, None] * per_chunk + np.arange(per_chunk)[None, :]).ravel()
-    return positions[(positions >= start) & (positions < start + num_blocks)]
+    """The consumer's block positions in the chunks flagged by `in_chunk`.
+
+    in_chunk[i] flags chunk first + i. One entry per consumer block.
+    """
+    positions = start + np.arange(num_blocks, dtype=np.int64)
+    chunk = positions // per_chunk - first
+    inside = (chunk >= 0) & (chunk < in_chunk.size)
+    inside[inside] = in_chunk[chunk[inside]]
+    return positions[inside]
 
 
 def _compare_chunks(producer: _BlockValues,
@@ -572,24 +612,23 @@ def _compare_chunks(producer: _BlockValues,
             f"the consumer's first loaded block {consumer.start} (of {consumer.block_size} "
             f"tokens) starts inside producer block "
             f"{consumer.start // consumer_per_chunk} (of {producer.block_size} tokens)")
-    ours, theirs = _chunks(consumer, large), _chunks(producer, large)
-    first = max(ours.first, theirs.first)
-    end = min(ours.first + ours.sums.shape[1], theirs.first + theirs.sums.shape[1])
+    # The chunks both sides hold blocks of, from the index ranges alone.
+    ours_first, ours_end = _chunk_range(consumer, consumer_per_chunk)
+    theirs_first, theirs_end = _chunk_range(producer, large // producer.block_size)
+    first, end = max(ours_first, theirs_first), min(ours_end, theirs_end)
     if end <= first:
         return _Problem(UnverifiedReason.NO_COMMON_BLOCKS,
                         "no block position is checksummed on both sides")
-    mine = slice(first - ours.first, end - ours.first)
-    other = slice(first - theirs.first, end - theirs.first)
-    compared = (ours.covered[mine] & theirs.covered[other]
-                & (ours.tokens[mine] == theirs.tokens[other]))
+    ours, theirs = _chunks(consumer, large, first, end), _chunks(producer, large, first, end)
+    compared = ours.covered & theirs.covered & (ours.tokens == theirs.tokens)
     if not compared.any():
         return _Problem(UnverifiedReason.NO_COMMON_BLOCKS,
                         "no block position is checksummed whole on both sides "
                         "with the same number of tokens")
-    differs = compared & (ours.sums[:, mine] != theirs.sums[:, other]).any(axis=0)
-    chunk_index = np.arange(first, end, dtype=np.int64)
-    count = _consumer_positions(chunk_index[compared], consumer_per_chunk, consumer.start,
-                                consumer.values.shape[1]).size
-    mismatched = _consumer_positions(chunk_index[differs], consumer_per_chunk, consumer.start,
-                                     consumer.values.shape[1])
+    differs = compared & (ours.sums != theirs.sums).any(axis=0)
+    num_blocks = consumer.values.shape[1]
+    count = _consumer_positions(compared, first, consumer_per_chunk, consumer.start,
+                                num_blocks).size
+    mismatched = _consumer_positions(differs, first, consumer_per_chunk, consumer.start,
+                                     num_blocks)
     return tuple(int(p) for p in mismatched), int(count)

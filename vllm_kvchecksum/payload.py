@@ -57,6 +57,13 @@ _UINT64_LIMIT = 2**64
 # Counts and positions: non-negative and small enough for int64 arithmetic.
 _COUNT_LIMIT = 2**63
 
+# Token counts, block sizes and block positions must be below this: 2**40
+# (about 10**12) tokens is far beyond any context length or KV cache block,
+# so only a forged payload comes near it. The comparison does not rely on
+# it (its memory follows the consumer's own blocks, see compare.py); it
+# refuses early what no producer can send.
+MAX_TOKENS = 2**40
+
 _BODY_FIELDS = ("num_tokens", "producer_tp_size", "groups")
 _GROUP_FIELDS = ("group_id", "fingerprint", "block_size", "start", "values")
 
@@ -106,8 +113,8 @@ class PayloadGroup:
         set_field = object.__setattr__
         set_field(self, "fingerprint",
                   _checked_int("fingerprint", self.fingerprint, 0, _UINT64_LIMIT))
-        set_field(self, "block_size", _checked_int("block_size", self.block_size, 1, _COUNT_LIMIT))
-        set_field(self, "start", _checked_int("start", self.start, 0, _COUNT_LIMIT))
+        set_field(self, "block_size", _checked_int("block_size", self.block_size, 1, MAX_TOKENS))
+        set_field(self, "start", _checked_int("start", self.start, 0, MAX_TOKENS))
         values = self.values
         if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind != "u" \
                 or values.dtype.itemsize != 8:
@@ -147,7 +154,7 @@ class KVChecksumPayload:
 
     def __post_init__(self):
         set_field = object.__setattr__
-        set_field(self, "num_tokens", _checked_int("num_tokens", self.num_tokens, 0, _COUNT_LIMIT))
+        set_field(self, "num_tokens", _checked_int("num_tokens", self.num_tokens, 0, MAX_TOKENS))
         set_field(self, "producer_tp_size",
                   _checked_int("producer_tp_size", self.producer_tp_size, 1, _COUNT_LIMIT))
         if not isinstance(self.groups, dict):
@@ -262,7 +269,7 @@ def _payload_from_message(message: Any) -> KVChecksumPayload:
     version, body = _fields("payload", message, ("version", "body"))
     _checked_int("payload version", version, PAYLOAD_VERSION, PAYLOAD_VERSION + 1)
     num_tokens, producer_tp_size, group_list = _fields("payload body", body, _BODY_FIELDS)
-    num_tokens = _checked_int("num_tokens", num_tokens, 0, _COUNT_LIMIT)
+    num_tokens = _checked_int("num_tokens", num_tokens, 0, MAX_TOKENS)
     producer_tp_size = _checked_int("producer_tp_size", producer_tp_size, 1, _COUNT_LIMIT)
     if not isinstance(group_list, list):
         raise ValueError(f"groups must be an array, got {type(group_list).__name__}")
@@ -283,8 +290,8 @@ def _payload_from_message(message: Any) -> KVChecksumPayload:
             fingerprint=_checked_int(f"fingerprint of group {group_id}", fingerprint,
                                      0, _UINT64_LIMIT),
             block_size=_checked_int(f"block_size of group {group_id}", block_size,
-                                    1, _COUNT_LIMIT),
-            start=_checked_int(f"start of group {group_id}", start, 0, _COUNT_LIMIT),
+                                    1, MAX_TOKENS),
+            start=_checked_int(f"start of group {group_id}", start, 0, MAX_TOKENS),
             values=np.frombuffer(values, dtype="<u8").astype(np.uint64))
     return KVChecksumPayload(num_tokens=num_tokens, producer_tp_size=producer_tp_size,
                              groups=groups)

@@ -2,6 +2,10 @@
 
 These types cross the scheduler/worker boundary (inside SchedulerOutput and
 KVConnectorOutput), so they are plain, picklable data with no vLLM types.
+
+A consumer load's blocks cross once, in the step its load starts; each
+worker keeps them until its own connector reports the load finished or the
+scheduler tells it to forget the request (KVChecksumScheduled.reqs_to_forget).
 """
 
 from __future__ import annotations
@@ -49,15 +53,21 @@ class KVChecksumScheduled:
 
     reqs_to_send: producer requests whose prompt KV the step finishes;
     checksummed after the step's forward (and drafter).
-    reqs_to_recv: consumer requests whose async load starts in the step;
-    checksummed in the step whose transfer results report the load finished.
+    reqs_to_recv: consumer requests whose async load starts in the step,
+    sent in that step only; each worker keeps them and checksums one in the
+    step its own connector reports the load finished.
+    reqs_to_forget: requests whose pending loads the workers must drop (the
+    request ended, its load failed or was compared). Workers apply it before
+    reqs_to_recv: a request id in both had its old load dropped before the
+    new one started.
     """
 
     reqs_to_send: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     reqs_to_recv: dict[str, KVChecksumBlocks] = field(default_factory=dict)
+    reqs_to_forget: set[str] = field(default_factory=set)
 
     def is_empty(self) -> bool:
-        return not self.reqs_to_send and not self.reqs_to_recv
+        return not self.reqs_to_send and not self.reqs_to_recv and not self.reqs_to_forget
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 Both vLLM model runners call these: V1 (GPUModelRunner and its KV connector
 mixin, which the CPU backend's runner inherits) and V2 (ActiveKVConnector).
+The worker keeps the blocks of the loads in flight across steps (see
+worker.py); checksum_step keeps that table in step with the scheduler's.
 """
 
 from __future__ import annotations
@@ -76,20 +78,37 @@ def create_kv_checksum_worker(vllm_config: VllmConfig, kv_cache_config: KVCacheC
 def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumScheduled | None,
                   finished_recving: set[str] | None, *, sends: bool = True,
                   recvs: bool = True) -> KVChecksumOutput | None:
-    """Queue this step's checksums; call after the step's forward.
+    """Queue this step's checksums; call after the step's forward, once per
+    scheduler output, in order (scheduled may be None: nothing new).
 
     sends: the producer requests whose prompt KV the step finished (pass
       False when a drafter still writes KV; call again with recvs=False
-      after it). recvs: the consumer loads that this worker's connector
-      reports finished in this step (the scheduler lists every pending load).
+      after it). recvs: update the worker's pending loads from `scheduled`
+      and checksum those that this worker's connector reports finished in
+      this step (`finished_recving`). Pass recvs=False on a second call for
+      the same scheduler output, so its loads are not added again.
     """
-    if worker is None or scheduled is None:
+    if worker is None:
         return None
     outputs = []
-    if sends and scheduled.reqs_to_send:
+    if sends and scheduled is not None and scheduled.reqs_to_send:
         outputs.append(worker.compute(scheduled.reqs_to_send, replica_zero_only=True))
-    if recvs and finished_recving and scheduled.reqs_to_recv:
-        loaded = {rid: b for rid, b in scheduled.reqs_to_recv.items() if rid in finished_recving}
-        if loaded:
-            outputs.append(worker.compute(loaded, replica_zero_only=False))
+    if recvs:
+        outputs.append(_step_loads(worker, scheduled, finished_recving))
     return KVChecksumOutput.aggregate(outputs)
+
+
+def _step_loads(worker: KVChecksumWorker, scheduled: KVChecksumScheduled | None,
+                finished_recving: set[str] | None) -> KVChecksumOutput | None:
+    """Forget, then add, then checksum the finished loads.
+
+    Forget before add: a request id in both had its old load dropped by the
+    scheduler before its new one started. Add before checksumming: a load
+    can finish in the step it starts.
+    """
+    if scheduled is not None:
+        worker.forget_loads(scheduled.reqs_to_forget)
+        worker.expect_loads(scheduled.reqs_to_recv)
+    if not finished_recving:
+        return None
+    return worker.compute_finished_loads(finished_recving)

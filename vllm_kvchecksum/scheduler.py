@@ -12,19 +12,25 @@ collect (top of update_from_output), request_finished (the payload to
 return in kv_transfer_params, or to hand to a connector-owned carrier).
 Consumer: add_recv (an async load starts), collect, verify_finished_loads
 (the aggregated finished_recving of the step).
+
+Each step's SchedulerOutput carries only what changed (build_checksum_meta):
+a load's blocks go to the workers once, in the step it starts, and each
+worker keeps them until its own connector reports the load finished. When
+the scheduler stops waiting for a load (the request ended, the load failed
+or was compared), it tells the workers to forget it, so no worker keeps a
+request's state after the scheduler has dropped it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvchecksum.blocks import GroupLayout, request_blocks
 from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY, KVChecksumCarrier
-from vllm_kvchecksum.compare import CheckStatus, LoadVerdict, compare_load, sum_producer
+from vllm_kvchecksum.compare import CheckStatus, LoadVerdict, UnverifiedReason, compare_load, sum_producer
 from vllm_kvchecksum.payload import KVChecksumPayload
 from vllm_kvchecksum.records import KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord, KVChecksumScheduled
 
@@ -58,6 +64,13 @@ def checksums_requested(vllm_config: VllmConfig) -> bool:
     return kv is not None and kv.enable_kv_checksum
 
 
+def _ray_v2_executor() -> bool:
+    """Whether vLLM picks its Ray V2 executor, read the way vLLM reads it."""
+    from vllm import envs
+
+    return bool(envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND)
+
+
 def unsupported_reason(vllm_config: VllmConfig) -> str | None:
     """Why this parallel setup cannot checksum its KV, or None.
 
@@ -67,11 +80,9 @@ def unsupported_reason(vllm_config: VllmConfig) -> str | None:
     if pc.decode_context_parallel_size > 1 or pc.prefill_context_parallel_size > 1:
         return ("context parallelism (decode_context_parallel_size or prefill_context_parallel_size > 1) "
                 "splits token positions across ranks")
-    backend = pc.distributed_executor_backend
-    if (pc.pipeline_parallel_size > 1 and backend == "ray"
-            and os.environ.get("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0") != "1"):
-        return ("the Ray executor with pipeline_parallel_size > 1 drops the connector outputs of non-last "
-                "stages; set VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1")
+    if pc.pipeline_parallel_size > 1 and pc.distributed_executor_backend == "ray" and not _ray_v2_executor():
+        return ("the legacy Ray executor with pipeline_parallel_size > 1 drops the connector outputs of non-last "
+                "stages; use the Ray V2 executor (VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1, vLLM's default)")
     return None
 
 
@@ -84,6 +95,20 @@ def kv_checksum_enabled(vllm_config: VllmConfig) -> bool:
         logger.warning("KV checksums are disabled: %s.", reason)
         return False
     return True
+
+
+def transfer_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
+    """The block rule's layout of each transfer group.
+
+    The window clip comes from the function NIXL and Mooncake choose their
+    transferred blocks with, so the comparison covers exactly what they send.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.utils import sliding_window_transfer_blocks
+
+    windows = sliding_window_transfer_blocks(vllm_config, kv_cache_config)
+    return [GroupLayout(gid, group.kv_cache_spec.block_size, window)
+            for gid, group, window in zip(kv_cache_config.transfer_group_ids, kv_cache_config.transfer_groups,
+                                          windows, strict=True)]
 
 
 @dataclass
@@ -109,11 +134,7 @@ class KVChecksumScheduler:
         self.tp_size = pc.tensor_parallel_size
         self.num_workers = pc.tensor_parallel_size * pc.pipeline_parallel_size
         self.null_block_id = null_block_id
-        self.layouts = [
-            GroupLayout(gid, kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size,
-                        getattr(kv_cache_config.kv_cache_groups[gid].kv_cache_spec, "sliding_window", None))
-            for gid in kv_cache_config.transfer_group_ids
-        ]
+        self.layouts = transfer_layouts(vllm_config, kv_cache_config)
         self._step = KVChecksumScheduled()
         self._sends: dict[str, _Pending] = {}
         self._recvs: dict[str, _Pending] = {}
@@ -176,17 +197,27 @@ class KVChecksumScheduler:
                 pending.expected = KVChecksumPayload.decode(text)
             except ValueError as exc:
                 pending.missing_reason = f"the producer's KV checksums are invalid: {exc}"
+            except Exception as exc:
+                # The decoder raises only ValueError by design; anything else is
+                # a bug, and must not escape Scheduler.schedule() and stop the engine.
+                logger.exception("Decoding the KV checksums of request %s raised %s; the load will be "
+                                 "unverified. Please report this with the request's kv_transfer_params.",
+                                 request.request_id, type(exc).__name__)
+                pending.missing_reason = (f"the producer's KV checksums could not be decoded "
+                                          f"({type(exc).__name__}: {exc})")
         self._recvs[request.request_id] = pending
+        # Sent once, in this step: each worker keeps the blocks until its own
+        # connector reports the load finished or the scheduler forgets it.
+        self._step.reqs_to_recv[request.request_id] = blocks
 
     def build_checksum_meta(self) -> KVChecksumScheduled | None:
-        """This step's requests for the workers; resets the step's state.
+        """This step's news for the workers, or None; resets the step's state.
 
-        Pending loads are listed every step: each worker checksums a load in
-        the step its own connector reports it finished, so workers keep no
-        state across steps.
+        Only what changed since the last step: loads that started (workers
+        keep them), loads to forget, and sends. A steady step with loads in
+        flight sends nothing.
         """
         step, self._step = self._step, KVChecksumScheduled()
-        step.reqs_to_recv = {rid: p.blocks for rid, p in self._recvs.items()}
         return None if step.is_empty() else step
 
     def collect(self, output: KVChecksumOutput | None) -> None:
@@ -201,23 +232,36 @@ class KVChecksumScheduler:
 
     # -- producer ----------------------------------------------------------
 
-    def request_finished(self, request: Request) -> dict[str, Any] | None:
-        """The kv_transfer_params to add for a finished producer request."""
+    def request_finished(self, request: Request,
+                         kv_transfer_params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The kv_transfer_params to return for a finished producer request.
+
+        `kv_transfer_params` are the connector's for the request; returned as
+        they are, or with the checksums added when the connector carries
+        them there. Only a normal finish (stop, length) sends checksums, and
+        stats["sent"] counts the payloads actually handed to the carrier: a
+        connector that returns no params transfers nothing (e.g. NIXL for a
+        request that stopped during its prefill).
+        """
         pending = self._sends.pop(request.request_id, None)
         if pending is None or request.status.name not in _NORMAL_FINISHES:
-            return None
+            return kv_transfer_params
+        carrier = self.connector.kv_checksum_carrier(request, False)
+        if carrier is not KVChecksumCarrier.KV_TRANSFER_PARAMS or kv_transfer_params is None:
+            self.stats["not_carried"] += 1
+            logger.debug("KV checksums of request %s are not sent: its connector carries nothing for it "
+                         "(carrier %s, kv_transfer_params %s).", request.request_id,
+                         getattr(carrier, "value", carrier), "absent" if kv_transfer_params is None else "present")
+            return kv_transfer_params
         scheduled = {g: (b.start, len(b.block_ids)) for g, b in pending.blocks.groups.items()}
         result = sum_producer(pending.records, request.request_id, self.num_workers, scheduled,
                               pending.blocks.num_tokens, self.tp_size)
         if result.payload is None:
             self.stats["not_sent"] += 1
             logger.warning("KV checksums of request %s are not sent: %s", request.request_id, result.reason)
-            return None
+            return kv_transfer_params
         self.stats["sent"] += 1
-        carrier = self.connector.kv_checksum_carrier(request, False)
-        if carrier is KVChecksumCarrier.KV_TRANSFER_PARAMS:
-            return {KV_TRANSFER_PARAMS_KEY: result.payload.encode()}
-        return None
+        return {**kv_transfer_params, KV_TRANSFER_PARAMS_KEY: result.payload.encode()}
 
     # -- consumer ----------------------------------------------------------
 
@@ -232,24 +276,67 @@ class KVChecksumScheduler:
         """
         failed = {}
         for rid in finished_recving or ():
-            pending = self._recvs.pop(rid, None)
+            pending = self._drop_recv(rid)
             if pending is None or rid in already_failed:
                 continue
-            scheduled = {g: (b.start, len(b.block_ids), self._block_size(g))
-                         for g, b in pending.blocks.groups.items()}
-            verdict = compare_load(pending.expected, pending.records, rid, self.num_workers, scheduled,
-                                   pending.blocks.num_tokens, missing_reason=pending.missing_reason)
+            try:
+                scheduled = {g: (b.start, len(b.block_ids), self._block_size(g))
+                             for g, b in pending.blocks.groups.items()}
+                verdict = compare_load(pending.expected, pending.records, rid, self.num_workers, scheduled,
+                                       pending.blocks.num_tokens, missing_reason=pending.missing_reason)
+            except Exception as exc:
+                # The payload comes from the client: whatever comparing one load
+                # raises must not escape update_from_output and stop the engine
+                # core. The load is unverified, and the other loads go on.
+                logger.exception("Comparing the KV checksums of request %s raised %s: %s; the load is "
+                                 "unverified. Please report this with the request's kv_transfer_params.",
+                                 rid, type(exc).__name__, exc)
+                verdict = LoadVerdict(req_id=rid, status=CheckStatus.UNVERIFIED,
+                                      reason_key=UnverifiedReason.COMPARISON_ERROR,
+                                      reason=f"comparing raised {type(exc).__name__}: {exc}")
             self.stats[verdict.status.value] += 1
             self._log(verdict)
+            self._note_groups_left_out(rid, pending)
             if verdict.status is not CheckStatus.VERIFIED and self.fail_closed:
                 failed[rid] = client_reason(verdict)
         return failed
 
+    def _note_groups_left_out(self, req_id: str, pending: _Pending) -> None:
+        """Count and log the groups the block rule left out on both sides.
+
+        A group whose blocks hold a null block after a non-null one is not
+        checksummed; when neither side has it, it is absent from the verdict,
+        so say so here rather than let it vanish.
+        """
+        if pending.expected is None:
+            return
+        left_out = [layout.group_id for layout in self.layouts
+                    if layout.group_id not in pending.blocks.groups
+                    and layout.group_id not in pending.expected.groups]
+        if left_out:
+            self.stats["groups_left_out"] += len(left_out)
+            logger.debug("KV checksums of request %r: KV cache groups %s are not compared: on both sides a "
+                         "null block follows a non-null one in their loaded blocks.", req_id, left_out)
+
     def forget(self, req_id: str) -> None:
         """The request ended (or its load failed): drop what is kept for it."""
         self._sends.pop(req_id, None)
-        self._recvs.pop(req_id, None)
+        self._drop_recv(req_id)
         self._step.reqs_to_send.pop(req_id, None)
+
+    def _drop_recv(self, req_id: str) -> _Pending | None:
+        """Stop waiting for the request's load, here and on every worker.
+
+        The workers are told to forget it in the next step, whatever the
+        reason (ended, failed, compared): a worker whose connector never
+        reports the load finished must not keep its blocks forever. A load
+        that started in this step and is not sent yet is not sent at all.
+        """
+        pending = self._recvs.pop(req_id, None)
+        if pending is not None:
+            self._step.reqs_to_recv.pop(req_id, None)
+            self._step.reqs_to_forget.add(req_id)
+        return pending
 
     def _block_size(self, group_id: int) -> int:
         return next(layout.block_size for layout in self.layouts if layout.group_id == group_id)

@@ -5,7 +5,14 @@ kv_transfer_config.enable_kv_checksum is set, after the KV cache is
 allocated. Each step that has requests to checksum, the glue calls
 `compute` after the forward (and the drafter) wrote the KV; the result rides
 the worker's KVConnectorOutput to the scheduler, which sums the TP and PP
-parts. The worker keeps no state across steps.
+parts.
+
+The one state kept across steps is the table of pending loads: the
+scheduler sends a load's blocks once, when it starts, and the worker keeps
+them until its own connector reports the load finished (then checksums and
+drops them) or the scheduler says to forget the request. Scheduler outputs
+reach a worker in the order they were made, so the table follows the
+scheduler's.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ class KVChecksumWorker:
             device = first or torch.device("cpu")
         self.device = torch.device(device)
         self._copy_stream = new_copy_stream(self.device)
+        # Consumer loads started and not yet finished on this worker, by
+        # request id: their blocks are sent once, when the load starts.
+        self._pending_recvs: dict[str, KVChecksumBlocks] = {}
         for gid, reason in sorted(self.skipped_groups.items()):
             logger.warning("KV checksums: KV cache group %d is not checksummed: %s", gid, reason)
         if tp_rank == 0:
@@ -67,6 +77,33 @@ class KVChecksumWorker:
                 if shape not in seen:
                     seen.add(shape)
                     cache.view.warm_up()
+
+    # -- pending consumer loads -------------------------------------------
+
+    def forget_loads(self, req_ids) -> None:
+        """Drop the pending loads of requests the scheduler no longer waits for."""
+        for req_id in req_ids:
+            self._pending_recvs.pop(req_id, None)
+
+    def expect_loads(self, reqs: Mapping[str, KVChecksumBlocks]) -> None:
+        """Keep the blocks of loads that start in this step until they finish here."""
+        self._pending_recvs.update(reqs)
+
+    def compute_finished_loads(self, finished_recving) -> KVChecksumOutput | None:
+        """Queue the checksums of the pending loads this worker's connector
+        reports finished, and drop them; None if none of them is pending
+        (a load whose request was forgotten is not checksummed)."""
+        loaded = {rid: self._pending_recvs.pop(rid) for rid in finished_recving if rid in self._pending_recvs}
+        if not loaded:
+            return None
+        return self.compute(loaded, replica_zero_only=False)
+
+    @property
+    def pending_load_ids(self) -> frozenset[str]:
+        """The requests whose loads this worker still waits for (for tests and logs)."""
+        return frozenset(self._pending_recvs)
+
+    # -- checksums ----------------------------------------------------------
 
     def new_record(self) -> KVChecksumRecord:
         return KVChecksumRecord(self.tp_rank, self.tp_size, self.pp_rank, self.pp_size,

@@ -4,7 +4,7 @@
     python -m workbench apply DIR | unapply DIR | state DIR
     python -m workbench refresh
     python -m workbench check-series [--device cpu|cuda]
-    python -m workbench rebase-check VERSION
+    python -m workbench rebase-check VERSION | --git URL_OR_PATH [--ref REF]
     python -m workbench upstream [--record] [--jobs N] [--tree DIR]
 """
 
@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from .series import SeriesError, applied_count, apply_series, read_series, refresh, unapply_series
-from .tree import PATCHES, TREE, download_sdist, download_wheel, log, sync_tree
+from .gitsource import GIT_TIMEOUT_S
+from .tree import BUILD, PATCHES, TREE, download_sdist, download_wheel, log, sync_tree
 
 
 def cmd_prepare(args) -> int:
@@ -62,9 +63,19 @@ def cmd_check_series(args) -> int:
 
 
 def cmd_rebase_check(args) -> int:
-    from .checks import rebase_check
+    from .checks import rebase_check, rebase_check_git
 
-    report, path = rebase_check(args.version)
+    where = {"patches_dir": args.patches.resolve(), "out_dir": args.out.resolve()}
+    if args.git is None:
+        if not args.version or args.ref is not None:
+            raise SeriesError("rebase-check needs a release VERSION (e.g. 0.34.0), or --git URL_OR_PATH "
+                              "with an optional --ref (default main); --ref goes with --git only")
+        report, path = rebase_check(args.version, **where)
+    elif args.version:
+        raise SeriesError(f"rebase-check takes a release VERSION or --git, not both "
+                          f"(got {args.version} and --git {args.git})")
+    else:
+        report, path = rebase_check_git(args.git, args.ref or "main", timeout=args.timeout, **where)
     print(report)
     print(f"(written to {path})")
     return 0
@@ -93,8 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check-series", help="every prefix applies, imports, passes its tests")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.set_defaults(func=cmd_check_series)
-    p = sub.add_parser("rebase-check", help="how the series applies to another release")
-    p.add_argument("version")
+    p = sub.add_parser("rebase-check", help="how the series applies to another release or a git ref")
+    p.add_argument("version", nargs="?", help="a vLLM release on PyPI, e.g. 0.34.0")
+    p.add_argument("--git", metavar="URL_OR_PATH", help="a vLLM git repository to check against instead")
+    p.add_argument("--ref", help="branch, tag or full commit sha of --git (default main)")
+    p.add_argument("--timeout", type=float, default=GIT_TIMEOUT_S,
+                   help=f"seconds each git command may take (default {GIT_TIMEOUT_S:g})")
+    p.add_argument("--patches", type=Path, default=PATCHES, help="the series directory (default patches/)")
+    p.add_argument("--out", type=Path, default=BUILD, help="where the report and trees go (default build/)")
     p.set_defaults(func=cmd_rebase_check)
     p = sub.add_parser("upstream", help="the upstream regression gate")
     p.add_argument("--record", action="store_true", help="record the baseline (run on the unpatched base)")

@@ -1,4 +1,4 @@
-"""Series checks: bisectability on the base, and how it fares on newer releases."""
+"""Series checks: bisectability on the base, and how it fares on newer releases or a git ref."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .gitsource import GIT_TIMEOUT_S, fetch_ref, resolve_source, sanitized_ref
 from .series import BASE_VERSION, Patch, SeriesError, read_series, run
 from .tree import BUILD, PATCHES, ROOT, base_worktree, download_sdist, log, unpack_sdist
 
@@ -74,28 +75,27 @@ def _patch_dry_run(tree: Path, patch: Patch) -> subprocess.CompletedProcess:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def rebase_check(version: str) -> tuple[str, Path]:
-    """Report, per patch, how the series applies to another release's sdist.
+RESULTS = ("applies cleanly", "applies with fuzz", "conflicts")
+
+
+def classify_series(tree: Path, patches: list[Patch]) -> list[tuple[str, str, str]]:
+    """(patch, result, details) for each patch, applying each one that can be.
 
     Patches are applied in order where they can be, so a later patch is
-    judged on the tree the earlier ones leave. Returns the report and its path.
+    judged on the tree the earlier ones leave.
     """
-    patches = read_series(PATCHES)
-    sdist = download_sdist(version)
-    dest = BUILD / "rebase" / f"vllm-{version}"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    log(f"unpacking vLLM {version} into {dest.relative_to(ROOT)}")
-    unpack_sdist(sdist, dest)
     rows = []
-    env = {"GIT_CEILING_DIRECTORIES": str(dest.parent)}
+    env = {"GIT_CEILING_DIRECTORIES": str(tree.parent)}
     for patch in patches:
-        if run(["git", "apply", "--check", str(patch.path)], cwd=dest, check=False, env=env).returncode == 0:
-            run(["git", "apply", str(patch.path)], cwd=dest, env=env)
+        # Absolute: the commands run in `tree`, and a series dir may be given relative.
+        patch = Patch(patch.name, patch.path.resolve())
+        if run(["git", "apply", "--check", str(patch.path)], cwd=tree, check=False, env=env).returncode == 0:
+            run(["git", "apply", str(patch.path)], cwd=tree, env=env)
             rows.append((patch.name, "applies cleanly", ""))
             continue
-        dry = _patch_dry_run(dest, patch)
+        dry = _patch_dry_run(tree, patch)
         if dry.returncode == 0:
-            subprocess.run(["patch", "-p1", "-s", "-F3", "-i", str(patch.path)], cwd=dest, check=True,
+            subprocess.run(["patch", "-p1", "-s", "-F3", "-i", str(patch.path)], cwd=tree, check=True,
                            stdout=subprocess.DEVNULL)
             how = sorted(set(re.findall(r"with fuzz \d+|offset -?\d+ lines?", dry.stdout)))
             rows.append((patch.name, "applies with fuzz", ", ".join(how)))
@@ -105,13 +105,57 @@ def rebase_check(version: str) -> tuple[str, Path]:
         if not files:
             files = sorted(set(re.findall(r"^(?:patching|checking) file (\S+)", dry.stdout, re.M)))
         rows.append((patch.name, "conflicts", ", ".join(files)))
-    lines = [f"# Rebase check: the series on vLLM {version}", "",
-             f"Base of the series: v{BASE_VERSION}; command: `make rebase-check VLLM_VERSION={version}`.", "",
+    return rows
+
+
+def render_report(target: str, about: str, rows: list[tuple[str, str, str]]) -> str:
+    """The markdown report: what was checked (`target`, `about`), one table row a patch, the counts."""
+    lines = [f"# Rebase check: the series on {target}", "", about, "",
              "| patch | result | details |", "| --- | --- | --- |"]
     lines += [f"| {n} | {r} | {d} |" for n, r, d in rows]
-    counts = {r: sum(1 for _, x, _ in rows if x == r) for r in ("applies cleanly", "applies with fuzz", "conflicts")}
+    counts = {r: sum(1 for _, x, _ in rows if x == r) for r in RESULTS}
     lines += ["", ", ".join(f"{v} {k}" for k, v in counts.items())]
-    report = "\n".join(lines) + "\n"
-    path = BUILD / f"rebase-check-{version}.md"
+    return "\n".join(lines) + "\n"
+
+
+def _shown(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def rebase_check(version: str, *, patches_dir: Path = PATCHES, out_dir: Path = BUILD) -> tuple[str, Path]:
+    """Report, per patch, how the series applies to another release's sdist.
+
+    Returns the report and its path.
+    """
+    patches = read_series(patches_dir)
+    sdist = download_sdist(version)
+    dest = out_dir / "rebase" / f"vllm-{version}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    log(f"unpacking vLLM {version} into {_shown(dest)}")
+    unpack_sdist(sdist, dest)
+    rows = classify_series(dest, patches)
+    report = render_report(f"vLLM {version}", f"Base of the series: v{BASE_VERSION}; command: "
+                           f"`make rebase-check VLLM_VERSION={version}`.", rows)
+    path = out_dir / f"rebase-check-{version}.md"
+    path.write_text(report)
+    return report, path
+
+
+def rebase_check_git(source: str, ref: str = "main", *, patches_dir: Path = PATCHES, out_dir: Path = BUILD,
+                     timeout: float = GIT_TIMEOUT_S) -> tuple[str, Path]:
+    """Report, per patch, how the series applies to `ref` of a git repository (URL or path).
+
+    Same classification and report as a release; the header names the
+    source, the ref and the commit it resolved to. Returns the report and its path.
+    """
+    patches = read_series(patches_dir)
+    log(f"fetching {ref} from {resolve_source(source)}")
+    checkout = fetch_ref(source, ref, out_dir / "rebase" / "git", timeout)
+    rows = classify_series(checkout.tree, patches)
+    about = (f"Base of the series: v{BASE_VERSION}; command: "
+             f"`make rebase-check VLLM_GIT={checkout.source} VLLM_REF={ref}`.\n"
+             f"Source: `{checkout.source}`, ref `{ref}`, commit `{checkout.commit}`.")
+    report = render_report(f"vLLM git {ref} ({checkout.commit[:12]})", about, rows)
+    path = out_dir / f"rebase-check-git-{sanitized_ref(ref)}.md"
     path.write_text(report)
     return report, path

@@ -130,24 +130,40 @@ class Side:
 
     # -- one engine step ---------------------------------------------------
 
-    def step(self, finished_recving=frozenset(), forward=None):
+    def step(self, finished_recving=frozenset(), forward=None, *, failed_recving=frozenset(), finished_on=None):
         """One engine step: schedule, `forward(scheduler_output)` writes the
-        step's KV, every worker checksums and reports, the scheduler updates."""
+        step's KV, every worker checksums and reports, the scheduler updates.
+
+        finished_recving: the loads every worker's connector reports finished;
+        finished_on: instead, worker index -> the loads that worker reports.
+        failed_recving: of those, the ones the connector reports failed."""
         out = self.scheduler.schedule()
         if forward is not None:
             forward(out)
+        merged = self.run_workers(out, finished_recving, failed_recving=failed_recving, finished_on=finished_on)
+        return out, self.update(out, merged)
+
+    def run_workers(self, out, finished_recving=frozenset(), *, failed_recving=frozenset(), finished_on=None):
+        """The workers' half of a step for scheduler output `out` (see step):
+        their outputs, merged by the real KVOutputAggregator."""
         runner_outputs = []
         reqs = list(out.num_scheduled_tokens)
-        for w in self.workers:
-            checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, set(finished_recving))
-            kv_out = KVConnectorOutput(finished_recving=set(finished_recving) or None, kv_checksums=checksums)
+        for i, w in enumerate(self.workers):
+            done = set(finished_on.get(i, ())) if finished_on is not None else set(finished_recving)
+            checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, done)
+            kv_out = KVConnectorOutput(finished_recving=done or None, failed_recving=set(failed_recving) & done,
+                                       kv_checksums=checksums)
             runner_outputs.append(ModelRunnerOutput(
-                req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                req_ids=reqs, req_id_to_index={r: j for j, r in enumerate(reqs)},
                 sampled_token_ids=[[11] for _ in reqs], logprobs=None, prompt_logprobs_dict={},
                 pooler_output=None, kv_connector_output=kv_out))
-        merged = self.aggregator.aggregate(runner_outputs, 0)
+        return self.aggregator.aggregate(runner_outputs, 0)
+
+    def update(self, out, merged) -> dict:
+        """The scheduler's update from the workers' merged output; the engine
+        outputs by request id."""
         engine_outputs = self.scheduler.update_from_output(out, merged)
-        return out, {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}
+        return {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}
 
 
 def make_config(role: str, tp: int, pp: int, block_size: int, *, enable: bool = True, fail_closed: bool = False,
@@ -170,18 +186,25 @@ def make_config(role: str, tp: int, pp: int, block_size: int, *, enable: bool = 
 
 
 def make_side(role: str, tp: int = 1, pp: int = 1, block_size: int = 16, *, sliding_window: int | None = None,
-              heads: int = NUM_HEADS, **config_kw) -> Side:
+              merged_sliding_window: int | None = None, heads: int = NUM_HEADS, **config_kw) -> Side:
+    """One instance. sliding_window: layers 1 and 3 form a SlidingWindowSpec
+    group (the hybrid KV cache manager). merged_sliding_window: the hybrid
+    manager is off, so vLLM merges every layer into one FullAttentionSpec
+    group carrying that sliding_window (Gemma-2 style with
+    --disable-hybrid-kv-cache-manager)."""
     vllm_config = make_config(role, tp, pp, block_size, **config_kw)
     groups = [(list(range(NUM_LAYERS)) if sliding_window is None else [0, 2], None)]
     if sliding_window is not None:
         groups.append(([1, 3], sliding_window))
+    if merged_sliding_window is not None:
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
     stage_layers = [list(range(NUM_LAYERS))[s * NUM_LAYERS // pp:(s + 1) * NUM_LAYERS // pp] for s in range(pp)]
     local_heads = max(1, heads // tp)
 
     def spec(window):
         if window is None:
             return FullAttentionSpec(block_size=block_size, num_kv_heads=local_heads, head_size=HEAD_SIZE,
-                                     dtype=torch.bfloat16)
+                                     dtype=torch.bfloat16, sliding_window=merged_sliding_window)
         return SlidingWindowSpec(block_size=block_size, num_kv_heads=local_heads, head_size=HEAD_SIZE,
                                  dtype=torch.bfloat16, sliding_window=window)
 

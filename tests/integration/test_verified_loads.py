@@ -12,6 +12,7 @@ import logging
 
 import msgpack
 import pytest
+import torch
 from pd_harness import load, make_side, prefill, prompt_of, run_local
 
 PROMPT = 77  # 4 full 16-token blocks and a partial one
@@ -54,17 +55,23 @@ def test_local_prefix_hit_compares_only_loaded_blocks(logs):
     P = make_side("kv_producer", fail_closed=True)
     C = make_side("kv_consumer", fail_closed=True)
     prompt = prompt_of(PROMPT)
-    local = run_local(C, prompt[:32])
-    # Locally computed KV need not equal the producer's: make it differ.
-    for w in C.workers:
-        for cache in w.caches.values():
-            for block in C.scheduler.kv_cache_manager.get_block_ids(local.request_id)[0][:2]:
-                cache[block].view(-1)[0] += 1
+    run_local(C, prompt[:32])
     preq, params = prefill(P, prompt)
-    result = load(C, P, preq, params, num_local=32)
-    pending_start = result.num_local // 16
-    assert pending_start == 2
+
+    def differ_locally(req):
+        # The consumer's own KV of blocks 0-1 (its prefix-cache hit, which
+        # the load does not write) need not equal the producer's: make it
+        # differ in every layer, so comparing them would be a false mismatch.
+        local_blocks = C.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0][:2]
+        for w in C.workers:
+            for cache in w.caches.values():
+                for block in local_blocks:
+                    cache[block].view(torch.uint8)[..., 5] ^= 0x21
+
+    result = load(C, P, preq, params, num_local=32, tamper=differ_locally)
+    assert result.request.num_computed_tokens >= PROMPT - 1
     assert stats(C) == {"verified": 1}, logs.text
+    assert result.next_scheduled == 1
 
 
 def corrupt(C):

@@ -12,6 +12,7 @@ its sum under the key (R, i). Producer ranks compute copy 0 only.
 from __future__ import annotations
 
 import time
+import tracemalloc
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vllm_kvchecksum import compare as compare_module
 from vllm_kvchecksum.compare import (CheckStatus, ConsumerGroupBlocks, LoadVerdict,
                                      UnverifiedReason, compare_load, sum_producer)
 from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
@@ -604,3 +606,165 @@ def test_long_prompt_compares_quickly():
     assert_verified(verdict, groups=groups)
     assert verdict.groups[0].compared_blocks == blocks
     assert elapsed < 0.5
+
+
+# -- hostile payloads -----------------------------------------------------------
+# A client can send any payload the decoder accepts: the comparison's
+# memory must follow the consumer's blocks, never a payload value.
+
+# Far more than comparing a consumer's 7 blocks needs (a few KiB), far less
+# than anything sized by a payload value.
+MAX_COMPARE_BYTES = 2**20
+
+
+def compare_peak_bytes(payload: KVChecksumPayload, side: Side,
+                       corruptions: tuple[Corruption, ...] = ()) -> tuple[LoadVerdict, int]:
+    """consume(), and the peak bytes compare_load allocated (numpy reports to tracemalloc)."""
+    records = side_records(side, producer=False, corruptions=corruptions)
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    baseline = tracemalloc.get_traced_memory()[0]
+    try:
+        verdict = consume(side, payload, records)
+        return verdict, tracemalloc.get_traced_memory()[1] - baseline
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+
+
+def with_groups(payload: KVChecksumPayload, num_tokens: int | None = None,
+                **group_fields) -> KVChecksumPayload:
+    """`payload` with every group's fields replaced as given."""
+    groups = {g: PayloadGroup(**{**dict(fingerprint=group.fingerprint,
+                                        block_size=group.block_size, start=group.start,
+                                        values=group.values), **group_fields})
+              for g, group in payload.groups.items()}
+    return KVChecksumPayload(payload.num_tokens if num_tokens is None else num_tokens,
+                             payload.producer_tp_size, groups)
+
+
+@pytest.mark.parametrize("block_size", [2**36, 2**39])
+def test_producer_block_far_larger_than_the_consumers_is_compared_in_bounded_memory(
+        block_size):
+    # One producer block holding the whole request has the same value
+    # whatever its size: the sum over the request's tokens.
+    whole = produce(Side(block_size=MAX_TOKENS))
+    payload = with_groups(whole, block_size=block_size)
+    verdict, peak = compare_peak_bytes(payload, Side())
+    assert_verified(verdict)
+    assert verdict.groups[0].compared_blocks == cdiv(100, 16)
+    assert peak < MAX_COMPARE_BYTES
+    verdict, peak = compare_peak_bytes(payload, Side(), corruptions=(Corruption(0, 0, 40),))
+    assert verdict.mismatched_blocks == {0: tuple(range(cdiv(100, 16)))}
+    assert peak < MAX_COMPARE_BYTES
+
+
+def test_producer_blocks_past_the_consumers_are_not_materialized():
+    # Per-token producer blocks, a million of them: only the consumer's
+    # 100 tokens are looked at.
+    per_token = produce(Side(block_size=1))
+    extra = 2**20
+    payload = KVChecksumPayload(extra, 1, {
+        g: PayloadGroup(group.fingerprint, 1, 0, np.concatenate(
+            [group.values, np.arange(extra - 100, dtype=np.uint64)]))
+        for g, group in per_token.groups.items()})
+    verdict, peak = compare_peak_bytes(payload, Side())
+    assert_verified(verdict)
+    assert verdict.groups[0].compared_blocks == 100 // 16  # the last holds 4 of 16 tokens
+    assert peak < MAX_COMPARE_BYTES
+
+
+@pytest.mark.parametrize("block_size, start, num_blocks", [
+    (1, 2**40 - 16, 7), (16, 2**36 - 7, 7), (2**39, 1, 1)])
+def test_producer_blocks_far_past_the_consumers_are_unverified_in_bounded_memory(
+        block_size, start, num_blocks):
+    # As far as a payload can place them: the last token below 2**40.
+    honest = produce(Side())
+    payload = with_groups(honest, num_tokens=2**40 - 1, block_size=block_size, start=start,
+                          values=np.arange(num_blocks, dtype=np.uint64))
+    verdict, peak = compare_peak_bytes(payload, Side())
+    assert_unverified(verdict, UnverifiedReason.NO_COMMON_BLOCKS, group=0)
+    assert peak < MAX_COMPARE_BYTES
+
+
+def padded_reference(producer, consumer):
+    """The chunk comparison as first written, padding every side to whole chunks.
+
+    Sized by the block size ratio, so only for small block sizes: the
+    reference the bounded comparison must agree with.
+    """
+    def chunks(side, chunk_tokens):
+        per_chunk = chunk_tokens // side.block_size
+        num_blocks = side.values.shape[1]
+        first = side.start // per_chunk
+        end = -(-(side.start + num_blocks) // per_chunk)
+        offset = side.start - first * per_chunk
+        padded = np.zeros((side.values.shape[0], (end - first) * per_chunk), dtype=np.uint64)
+        padded[:, offset:offset + num_blocks] = side.values
+        sums = padded.reshape(side.values.shape[0], end - first, per_chunk).sum(
+            axis=2, dtype=np.uint64)
+        index = np.arange(first, end, dtype=np.int64)
+        blocks_with_tokens = -(-side.num_tokens // side.block_size)
+        low = index * per_chunk
+        high = np.minimum(low + per_chunk, blocks_with_tokens)
+        covered = (low >= side.start) & (high <= side.start + num_blocks) & (high > low)
+        tokens = np.clip(side.num_tokens - index * chunk_tokens, 0, chunk_tokens)
+        return first, sums, covered, tokens
+
+    def positions(chunk_ids, per_chunk, start, num_blocks):
+        found = (chunk_ids[:, None] * per_chunk + np.arange(per_chunk)[None, :]).ravel()
+        return found[(found >= start) & (found < start + num_blocks)]
+
+    small, large = sorted((producer.block_size, consumer.block_size))
+    if large % small:
+        return UnverifiedReason.BLOCK_SIZES_NOT_MULTIPLES
+    per_chunk = large // consumer.block_size
+    if consumer.start % per_chunk:
+        return UnverifiedReason.UNALIGNED_FIRST_BLOCK
+    (o_first, o_sums, o_covered, o_tokens) = chunks(consumer, large)
+    (t_first, t_sums, t_covered, t_tokens) = chunks(producer, large)
+    first = max(o_first, t_first)
+    end = min(o_first + o_sums.shape[1], t_first + t_sums.shape[1])
+    if end <= first:
+        return UnverifiedReason.NO_COMMON_BLOCKS
+    mine, other = slice(first - o_first, end - o_first), slice(first - t_first, end - t_first)
+    compared = o_covered[mine] & t_covered[other] & (o_tokens[mine] == t_tokens[other])
+    if not compared.any():
+        return UnverifiedReason.NO_COMMON_BLOCKS
+    differs = compared & (o_sums[:, mine] != t_sums[:, other]).any(axis=0)
+    chunk_ids = np.arange(first, end, dtype=np.int64)
+    count = positions(chunk_ids[compared], per_chunk, consumer.start,
+                      consumer.values.shape[1]).size
+    mismatched = positions(chunk_ids[differs], per_chunk, consumer.start,
+                           consumer.values.shape[1])
+    return tuple(int(p) for p in mismatched), int(count)
+
+
+@st.composite
+def block_values(draw, checks: int):
+    """One side's values of one group, small enough for the padded reference.
+
+    Values from a tiny range, so chunk sums are often equal and both
+    mismatches and agreements come up.
+    """
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16, 32]))
+    num_blocks = draw(st.integers(0, 12))
+    values = draw(st.lists(st.integers(0, 2), min_size=checks * num_blocks,
+                           max_size=checks * num_blocks))
+    return compare_module._BlockValues(
+        start=draw(st.integers(0, 12)),
+        values=np.array(values, dtype=np.uint64).reshape(checks, num_blocks),
+        block_size=block_size, num_tokens=draw(st.integers(0, 300)))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(block_values(checks=1), st.integers(1, 3).flatmap(block_values))
+def test_bounded_chunk_comparison_agrees_with_the_padded_reference(producer, consumer):
+    result = compare_module._compare_chunks(producer, consumer)
+    expected = padded_reference(producer, consumer)
+    if isinstance(expected, UnverifiedReason):
+        assert isinstance(result, compare_module._Problem) and result.key is expected, result
+    else:
+        assert result == expected

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_kvchecksum import payload as payload_module
-from vllm_kvchecksum.payload import (MAX_GROUPS, MAX_PAYLOAD_BYTES, PAYLOAD_VERSION,
+from vllm_kvchecksum.payload import (MAX_GROUPS, MAX_PAYLOAD_BYTES, MAX_TOKENS, PAYLOAD_VERSION,
                                      KVChecksumPayload, PayloadGroup)
 
 FUZZ = settings(max_examples=150, deadline=None,
@@ -243,6 +243,38 @@ def test_limit_is_read_at_call_time(monkeypatch):
     monkeypatch.setattr(payload_module, "MAX_PACKED_BYTES", 10)
     with pytest.raises(ValueError, match="exceed the limit"):
         KVChecksumPayload.from_bytes(sample_payload().to_bytes())
+
+
+def test_max_tokens_is_the_documented_limit():
+    assert MAX_TOKENS == 2**40  # docs/payload.md, "Field limits"
+
+
+@pytest.mark.parametrize("message, error", [
+    ([1, body(num_tokens=MAX_TOKENS)], f"num_tokens must be in \\[0, {MAX_TOKENS}\\)"),
+    ([1, body(num_tokens=2**64 - 1)], f"num_tokens must be in \\[0, {MAX_TOKENS}\\)"),
+    ([1, body(groups=[[0, 5, MAX_TOKENS, 0, b""]])],
+     f"block_size of group 0 must be in \\[1, {MAX_TOKENS}\\)"),
+    ([1, body(groups=[[0, 5, 16, MAX_TOKENS, b""]])],
+     f"start of group 0 must be in \\[0, {MAX_TOKENS}\\)"),
+])
+def test_counts_no_request_can_reach_raise_value_error_naming_the_field(message, error):
+    for read, data in ((KVChecksumPayload.from_bytes, packed(message)),
+                       (KVChecksumPayload.decode, b64(packed(message)))):
+        with pytest.raises(ValueError, match=error):
+            read(data)
+
+
+def test_counts_just_below_max_tokens_decode():
+    group = PayloadGroup(fingerprint=1, block_size=MAX_TOKENS - 1, start=0,
+                         values=np.zeros(1, np.uint64))
+    payload = KVChecksumPayload(num_tokens=MAX_TOKENS - 1, producer_tp_size=1,
+                                groups={0: group, 1: PayloadGroup(1, 1, MAX_TOKENS - 2,
+                                                                  np.zeros(1, np.uint64))})
+    assert KVChecksumPayload.decode(payload.encode()) == payload
+    with pytest.raises(ValueError, match="block_size must be in"):
+        PayloadGroup(fingerprint=1, block_size=MAX_TOKENS, start=0, values=np.zeros(0, np.uint64))
+    with pytest.raises(ValueError, match="num_tokens must be in"):
+        KVChecksumPayload(num_tokens=MAX_TOKENS, producer_tp_size=1, groups={})
 
 
 def test_a_two_million_token_payload_fits_the_limit():

@@ -1,0 +1,63 @@
+#!/usr/bin/env python
+"""Run tests against one mutation of the package, in a copy (never in place).
+
+    .venv/bin/python scripts/mutate.py MUTATIONS.json [NAME ...]
+
+MUTATIONS.json lists {"name", "file", "old", "new", "tests": [...]}: `old`
+must occur exactly once in vllm_kvchecksum/FILE. Each mutant is a copy of
+the package and the tests under /tmp/kvchecksum-mutants/NAME (build/ and
+.venv linked), where pytest runs: the copy comes first on sys.path, ahead
+of the editable install. Prints one line per mutant: killed (some test
+failed) or SURVIVED.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(mutation: dict) -> bool:
+    dest = Path("/tmp/kvchecksum-mutants") / mutation["name"]
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for tree in ("vllm_kvchecksum", "tests"):
+        shutil.copytree(ROOT / tree, dest / tree, ignore=shutil.ignore_patterns("__pycache__"))
+    for link in ("build", ".venv", "pyproject.toml"):
+        (dest / link).symlink_to(ROOT / link)
+    path = dest / "vllm_kvchecksum" / mutation["file"]
+    text = path.read_text()
+    if text.count(mutation["old"]) != 1:
+        raise SystemExit(f"{mutation['name']}: `old` occurs {text.count(mutation['old'])} times in {path}")
+    path.write_text(text.replace(mutation["old"], mutation["new"]))
+    env = dict(os.environ, PYTHONPATH=str(dest))
+    check = subprocess.run([sys.executable, "-c", "import vllm_kvchecksum; print(vllm_kvchecksum.__file__)"],
+                           cwd=dest, env=env, capture_output=True, text=True).stdout.strip()
+    if not check.startswith(str(dest)):
+        raise SystemExit(f"{mutation['name']}: the mutant is not what imports ({check})")
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", *mutation["tests"]]
+    proc = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    summary = lines[-1] if lines else proc.stderr.strip()[-200:]
+    killed = proc.returncode != 0
+    print(f"{mutation['name']}: {'killed' if killed else 'SURVIVED'} ({summary})", flush=True)
+    return killed
+
+
+def main() -> int:
+    mutations = json.loads(Path(sys.argv[1]).read_text())
+    names = set(sys.argv[2:])
+    selected = [m for m in mutations if not names or m["name"] in names]
+    killed = sum(run(m) for m in selected)
+    print(f"{killed} of {len(selected)} mutants killed")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,444 @@
+"""Forged kv_checksums against a real consumer scheduler.
+
+kv_transfer_params come from the client, so a payload can decode fine and
+still carry any integer in its fields. Whatever it carries, the consumer
+must end the load with a verdict (mismatch or unverified; verified only
+with the producer's own checksums), in memory bounded by its own blocks,
+and go on verifying the next clean load: an exception here escapes
+Scheduler.update_from_output and kills the engine core.
+
+See pd_harness for the producer and consumer; the payloads start from a
+real producer's and get forged field by field.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import itertools
+import logging
+import resource
+import tracemalloc
+from typing import NamedTuple
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from pd_harness import Side, load, make_request, make_side, prefill, prompt_of
+
+import vllm_kvchecksum.scheduler as scheduler_module
+from vllm_kvchecksum.payload import PAYLOAD_VERSION, KVChecksumPayload, PayloadGroup
+
+PROMPT = 77  # 5 blocks of 16 tokens, the last holding 13; the consumer loads all 77
+# What one load may allocate, the payload's decode and comparison included.
+# A clean load peaks at tens of KiB here; before the comparison was bounded,
+# one forged block size asked for 32 GiB.
+MAX_LOAD_BYTES = 64 * 2**20
+# How much the test process's address space may grow during a load, so a
+# runaway allocation fails at once with MemoryError instead of taking the
+# machine's memory.
+ADDRESS_SPACE_HEADROOM = 4 * 2**30
+
+
+@pytest.fixture
+def logs(caplog):
+    logger = logging.getLogger("vllm.kv_checksum")
+    logger.addHandler(caplog.handler)  # vLLM's loggers do not propagate to the root
+    caplog.handler.setLevel(logging.DEBUG)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield caplog
+    logger.setLevel(old)
+    logger.removeHandler(caplog.handler)
+
+
+# -- bounded memory -----------------------------------------------------------
+
+
+def address_space_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+@contextlib.contextmanager
+def address_space_capped():
+    """Cap this process's address space a little above its current size."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = address_space_bytes() + ADDRESS_SPACE_HEADROOM
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def measured_load(consumer: Side, producer: Side, producer_req, params: dict):
+    """load(), returning its result and the peak bytes it allocated (tracemalloc).
+
+    numpy reports its arrays to tracemalloc, so a comparison sized by a
+    payload value shows here; the address-space cap turns one too large to
+    allocate into a MemoryError.
+    """
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    try:
+        with address_space_capped():
+            result = load(consumer, producer, producer_req, params)
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+
+
+# -- forging ------------------------------------------------------------------
+
+
+class Forgery(NamedTuple):
+    """The integer fields of a one-group payload as sent, and how many values."""
+
+    num_tokens: int
+    producer_tp_size: int
+    group_id: int
+    fingerprint: int
+    block_size: int
+    start: int
+    num_blocks: int  # the first num_blocks of the producer's values are sent
+
+    def same_checksums(self, other: Forgery) -> bool:
+        """Both send the same group's values for the same blocks, or a prefix of them."""
+        where = ("group_id", "fingerprint", "block_size", "start")
+        return (all(getattr(self, name) == getattr(other, name) for name in where)
+                and self.num_blocks <= other.num_blocks)
+
+
+def fields_of(payload: KVChecksumPayload) -> Forgery:
+    (group_id, group), = payload.groups.items()  # the harness's model has one group
+    return Forgery(payload.num_tokens, payload.producer_tp_size, group_id, group.fingerprint,
+                   group.block_size, group.start, group.num_blocks)
+
+
+def forged_text(original: KVChecksumPayload, forgery: Forgery) -> str:
+    """The original's checksum values under the forged fields, as kv_checksums text.
+
+    Through KVChecksumPayload.encode when the fields make a valid payload;
+    otherwise packed by hand in the same wire format, for the consumer's
+    decoder to refuse.
+    """
+    (values,) = (group.values[:forgery.num_blocks] for group in original.groups.values())
+    try:
+        payload = KVChecksumPayload(
+            num_tokens=forgery.num_tokens, producer_tp_size=forgery.producer_tp_size,
+            groups={forgery.group_id: PayloadGroup(forgery.fingerprint, forgery.block_size,
+                                                   forgery.start, values)})
+    except ValueError:
+        group = (forgery.group_id, forgery.fingerprint, forgery.block_size, forgery.start,
+                 values.astype("<u8").tobytes())
+        message = (PAYLOAD_VERSION, (forgery.num_tokens, forgery.producer_tp_size, [group]))
+        return base64.b64encode(msgpack.packb(message, use_bin_type=True)).decode("ascii")
+    return payload.encode()
+
+
+def stats(side: Side) -> dict:
+    return dict(side.scheduler.kv_checksum.stats)
+
+
+def assert_clean_load_verifies(producer: Side, consumer: Side, seed: int) -> None:
+    before = stats(consumer)
+    preq, params = prefill(producer, prompt_of(PROMPT, seed=seed))
+    result = load(consumer, producer, preq, params)
+    assert stats(consumer) == {**before, "verified": before.get("verified", 0) + 1}
+    assert not result.request.is_finished()
+
+
+def verdicts_since(consumer: Side, before: dict) -> dict:
+    """The consumer's verdict counts that changed since `before`, by how much."""
+    after = stats(consumer)
+    return {key: after[key] - before.get(key, 0) for key in after
+            if after[key] != before.get(key, 0)}
+
+
+def assert_load_refused_cleanly(result, consumer: Side, before: dict) -> str:
+    """The forged load was compared without error, unverified or a mismatch, and failed.
+
+    Returns the request's stop_reason.
+    """
+    assert verdicts_since(consumer, before) in ({"unverified": 1}, {"mismatch": 1})
+    out = result.outputs[result.request.request_id]
+    assert out.finish_reason is not None and out.finish_reason.name == "ERROR"
+    assert out.stop_reason.startswith(("kv_checksum_unverified", "kv_checksum_mismatch"))
+    # An error while comparing would also end unverified: make sure there was none.
+    assert "comparison_error" not in out.stop_reason, out.stop_reason
+    return out.stop_reason
+
+
+# -- the case from the issue --------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size, claimed_tokens, num_blocks, verdict", [
+    # The issue's case: past the old decoder by claiming tokens for every block.
+    (2**40, 5 * 2**40, 5, "unverified"),
+    # Within the decoder's limits, so it reaches the comparison.
+    (2**36, 5 * 2**36, 5, "unverified"),
+    # One giant block holding the consumer's 77 tokens: compared, and wrong.
+    (2**36, PROMPT, 1, "mismatch"),
+], ids=["2**40", "2**36", "2**36-compared"])
+def test_forged_huge_block_size_does_not_crash_the_consumer(block_size, claimed_tokens,
+                                                            num_blocks, verdict, logs):
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=True, policy="fail")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    original = KVChecksumPayload.decode(params["kv_checksums"])
+    forgery = fields_of(original)._replace(block_size=block_size, num_tokens=claimed_tokens,
+                                           num_blocks=num_blocks)
+    forged = forged_text(original, forgery)
+    result, peak = measured_load(C, P, preq, {**params, "kv_checksums": forged})
+    assert_load_refused_cleanly(result, C, before={})
+    assert stats(C) == {verdict: 1}
+    assert peak < MAX_LOAD_BYTES
+    assert_clean_load_verifies(P, C, seed=1)
+
+
+# -- the scheduler's last line of defence -------------------------------------
+
+
+def test_an_error_while_comparing_fails_that_load_only(monkeypatch, logs):
+    """Two loads finish in one step; comparing the first raises."""
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=True, policy="fail")
+    producer_reqs = [prefill(P, prompt_of(PROMPT, seed=seed)) for seed in (1, 2)]
+    reqs = [make_request(preq.prompt_token_ids, params=dict(params), block_size=C.block_size)
+            for preq, params in producer_reqs]
+    for req in reqs:
+        C.scheduler.add_request(req)
+    C.step()
+    for req, (preq, _) in zip(reqs, producer_reqs):
+        assert req.status.name == "WAITING_FOR_REMOTE_KVS", req.status
+        C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P,
+                       source_id=preq.request_id)
+    real_compare = scheduler_module.compare_load
+    broken = reqs[0].request_id
+
+    def compare_load(expected, records, req_id, *args, **kwargs):
+        if req_id == broken:
+            raise MemoryError("Unable to allocate 32.0 GiB (injected by the test)")
+        return real_compare(expected, records, req_id, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "compare_load", compare_load)
+    _, outputs = C.step(finished_recving={req.request_id for req in reqs})
+    assert stats(C) == {"unverified": 1, "verified": 1}
+    out = outputs[broken]
+    assert out.finish_reason.name == "ERROR"
+    assert out.stop_reason.startswith("kv_checksum_unverified") and \
+        "comparison_error" in out.stop_reason
+    assert not reqs[1].is_finished()
+    errors = [r for r in logs.records if r.levelno == logging.ERROR]
+    assert any(broken in r.getMessage() and "MemoryError" in r.getMessage() for r in errors), \
+        logs.text
+    monkeypatch.undo()
+    assert_clean_load_verifies(P, C, seed=3)
+
+
+def test_an_error_while_comparing_is_logged_and_the_load_used_fail_open(monkeypatch, logs):
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+
+    def compare_load(*args, **kwargs):
+        raise RuntimeError("injected by the test")
+
+    monkeypatch.setattr(scheduler_module, "compare_load", compare_load)
+    result = load(C, P, preq, params)
+    assert stats(C) == {"unverified": 1}
+    assert result.next_scheduled == 1  # fail-open: used anyway
+    assert "comparison_error" in logs.text
+
+
+def test_an_error_while_decoding_leaves_the_load_unverified(monkeypatch, logs):
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=True, policy="fail")
+    preq, params = prefill(P, prompt_of(PROMPT))
+
+    class ExplodingPayload:
+        @staticmethod
+        def decode(text):
+            raise MemoryError("injected by the test")
+
+    monkeypatch.setattr(scheduler_module, "KVChecksumPayload", ExplodingPayload)
+    result = load(C, P, preq, params)
+    assert stats(C) == {"unverified": 1}
+    out = result.outputs[result.request.request_id]
+    assert out.finish_reason.name == "ERROR"
+    assert out.stop_reason.startswith("kv_checksum_unverified")
+    assert any(r.levelno == logging.ERROR and result.request.request_id in r.getMessage()
+               for r in logs.records), logs.text
+    monkeypatch.undo()
+    assert_clean_load_verifies(P, C, seed=1)
+
+
+# -- fuzzing the fields -------------------------------------------------------
+
+# The consumer's own numbers: 16-token blocks, 5 of them, 77 tokens.
+CONSUMER_NUMBERS = (4, 5, 6, 13, 15, 16, 17, 32, 64, 76, 77, 78, 80)
+UINT64_BOUNDARIES = sorted({0, 1, 2**62, 2**63 - 1, 2**63, 2**64 - 1}
+                           | {2**k + d for k in range(1, 64) for d in (-1, 0, 1)})
+
+
+def adversarial(original: int, *near: int) -> st.SearchStrategy[int]:
+    """A boundary, or a value next to the original or `near`."""
+    neighbours = sorted({v + d for v in (original, *near) for d in (-1, 0, 1)
+                         if 0 <= v + d < 2**64})
+    return st.one_of(st.sampled_from(UINT64_BOUNDARIES), st.sampled_from(neighbours))
+
+
+@st.composite
+def forgeries(draw, original: Forgery) -> Forgery:
+    """A few of the original's fields replaced, the others kept.
+
+    Few at a time, and the token count often fitted to the forged blocks,
+    so that most forgeries get past the decoder to the comparison.
+    """
+    # Each field forged one time in three, at least one; a group id or a
+    # fingerprint of another model ends the comparison early, so those less.
+    forged = ({name for name in Forgery._fields
+               if draw(st.integers(0, 7 if name in ("group_id", "fingerprint") else 2)) == 0}
+              or {draw(st.sampled_from(Forgery._fields))})
+
+    def field(name: str, strategy: st.SearchStrategy[int]) -> int:
+        return draw(strategy) if name in forged else getattr(original, name)
+
+    block_size = field("block_size", adversarial(original.block_size, *CONSUMER_NUMBERS))
+    start = field("start", adversarial(original.start, *CONSUMER_NUMBERS))
+    num_blocks = field("num_blocks", st.integers(0, original.num_blocks))
+    blocks_end = start + num_blocks
+    enough = [t for t in ((blocks_end - 1) * block_size + 1, blocks_end * block_size)
+              if 0 <= t < 2**64] or [original.num_tokens]
+    if "num_tokens" in forged:
+        num_tokens = draw(st.one_of(adversarial(original.num_tokens, *CONSUMER_NUMBERS),
+                                    st.sampled_from(enough)))
+    elif {"block_size", "start", "num_blocks"} & forged and draw(st.integers(0, 3)) > 0:
+        num_tokens = draw(st.sampled_from(enough))
+    else:
+        num_tokens = original.num_tokens
+    return Forgery(
+        num_tokens=num_tokens,
+        producer_tp_size=field("producer_tp_size", adversarial(original.producer_tp_size, 2, 4)),
+        group_id=field("group_id", adversarial(original.group_id, 1)),
+        fingerprint=field("fingerprint", adversarial(original.fingerprint)),
+        block_size=block_size, start=start, num_blocks=num_blocks)
+
+
+class Instances:
+    """A producer and a consumer, replaced before the producer runs out of blocks.
+
+    The producer keeps each prefilled request's blocks (no consumer
+    reports the transfer done), so a pair serves a few examples only.
+    `real` holds the fields of the producer's payloads, the same for every
+    prompt of PROMPT tokens (the fingerprint depends on the layers only).
+    """
+
+    EXAMPLES_PER_PAIR = 6
+
+    def __init__(self):
+        self.seeds = itertools.count(100)
+        self.uses = self.EXAMPLES_PER_PAIR
+        producer, _ = self.pair()
+        _, params = prefill(producer, prompt_of(PROMPT, seed=next(self.seeds)))
+        self.real = fields_of(KVChecksumPayload.decode(params["kv_checksums"]))
+
+    def pair(self) -> tuple[Side, Side]:
+        if self.uses >= self.EXAMPLES_PER_PAIR:
+            self.producer = make_side("kv_producer")
+            self.consumer = make_side("kv_consumer", fail_closed=True, policy="fail")
+            self.uses = 0
+        self.uses += 1
+        return self.producer, self.consumer
+
+
+@pytest.fixture(scope="module")
+def instances():
+    return Instances()
+
+
+def forged_load_outcome(instances: Instances, forgery: Forgery) -> str:
+    """A fresh prompt loaded with `forgery` as its payload: "verified", or the stop_reason.
+
+    Checks what holds for every forged load: nothing raised, memory stayed
+    bounded, the load failed (fail-closed) unless verified, and the next
+    clean load on the same consumer verifies.
+    """
+    P, C = instances.pair()
+    preq, params = prefill(P, prompt_of(PROMPT, seed=next(instances.seeds)))
+    original = KVChecksumPayload.decode(params["kv_checksums"])
+    assert fields_of(original) == instances.real
+    before = stats(C)
+    result, peak = measured_load(C, P, preq, {**params, "kv_checksums": forged_text(original,
+                                                                                   forgery)})
+    assert peak < MAX_LOAD_BYTES
+    if verdicts_since(C, before) == {"verified": 1}:
+        assert not result.request.is_finished()
+        outcome = "verified"
+    else:
+        outcome = assert_load_refused_cleanly(result, C, before)
+    assert_clean_load_verifies(P, C, seed=next(instances.seeds))
+    return outcome
+
+
+def test_the_producers_fields_are_what_the_forgeries_assume(instances):
+    # 5 blocks of 16 tokens from position 0, 77 tokens, TP 1, group 0.
+    assert instances.real._replace(fingerprint=0) == Forgery(PROMPT, 1, 0, 0, 16, 0, 5)
+
+
+# Forgeries tried on every run, with the verdict each gets: "verified",
+# "mismatch", or the reason it is unverified. Fields not named keep the
+# producer's values; v0..v4 below are its 5 block values.
+HAND_PICKED = {
+    "prefix-of-the-values": (dict(num_blocks=3), "verified"),
+    "tokens-near-the-limit": (dict(num_tokens=2**40 - 1), "verified"),  # last block left out
+    "tp-size-at-the-limit": (dict(producer_tp_size=2**63 - 1), "verified"),  # not compared
+    "no-values": (dict(num_blocks=0), "no_common_blocks"),
+    "past-the-consumers-blocks": (dict(start=6, num_tokens=11 * 16), "no_common_blocks"),
+    "shifted-by-one": (dict(start=1, num_tokens=6 * 16), "mismatch"),  # v0 vs block 1
+    "halved-block-size": (dict(block_size=8), "mismatch"),  # v0+v1 vs block 0
+    "doubled-block-size": (dict(block_size=32, num_tokens=5 * 32), "mismatch"),
+    "one-giant-block": (dict(block_size=2**39, num_blocks=1), "mismatch"),  # v0 vs all 5
+    "giant-blocks-at-the-limit": (dict(block_size=2**40, num_tokens=5 * 2**40),
+                                  "no_producer_checksums"),
+    "last-position-below-the-limit": (dict(block_size=1, start=2**40 - 6,
+                                           num_tokens=2**40 - 1), "no_common_blocks"),
+    "too-few-tokens": (dict(num_tokens=0), "no_producer_checksums"),
+    "zero-block-size": (dict(block_size=0), "no_producer_checksums"),
+    "other-fingerprint": (dict(fingerprint=2**64 - 1), "fingerprint_differs"),
+    "other-group": (dict(group_id=2**63 - 1),
+                    "not_checksummed_by_producer, not_checksummed_by_consumer"),
+}
+
+
+@pytest.mark.parametrize("changes, verdict", HAND_PICKED.values(), ids=HAND_PICKED.keys())
+def test_hand_picked_forgeries(instances, changes, verdict):
+    outcome = forged_load_outcome(instances, instances.real._replace(**changes))
+    if verdict == "verified":
+        assert outcome == "verified"
+    elif verdict == "mismatch":
+        assert outcome.startswith("kv_checksum_mismatch"), outcome
+    else:
+        assert outcome == f"kv_checksum_unverified: {verdict}"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_forged_field_values_never_crash_the_consumer(instances, data):
+    forgery = data.draw(forgeries(instances.real), label="forgery")
+    outcome = forged_load_outcome(instances, forgery)
+    if outcome == "verified":
+        # The token count, the TP size and fewer values change which blocks
+        # are compared (or nothing), never what they are compared with.
+        assert forgery.same_checksums(instances.real), forgery
+    event(outcome.split(" (")[0])  # the verdict and reasons, without block lists
