@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """Run tests against one mutation of the package, in a copy (never in place).
 
-    .venv/bin/python scripts/mutate.py MUTATIONS.json [NAME ...]
+    .venv/bin/python scripts/mutate.py tests/mutations.json [NAME ...]
 
-MUTATIONS.json lists {"name", "file", "old", "new", "tests": [...]}: `old`
+MUTATIONS.json lists {"name", "file", "old", "new", "tests": [...], "args": [...]}: `old`
 must occur exactly once in vllm_kvchecksum/FILE. Each mutant is a copy of
 the package and the tests under /tmp/kvchecksum-mutants/NAME (build/ and
 .venv linked), where pytest runs: the copy comes first on sys.path, ahead
 of the editable install. Prints one line per mutant: killed (some test
-failed) or SURVIVED.
+failed) or SURVIVED. tests/mutations.json holds one-line bugs in the
+guards of the block rule, the comparison, the scheduler glue and the
+workers, each of which some test must catch.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def run(mutation: dict) -> bool:
                            cwd=dest, env=env, capture_output=True, text=True).stdout.strip()
     if not check.startswith(str(dest)):
         raise SystemExit(f"{mutation['name']}: the mutant is not what imports ({check})")
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", *mutation["tests"]]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", *mutation.get("args", ()), *mutation["tests"]]
     proc = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     summary = lines[-1] if lines else proc.stderr.strip()[-200:]

@@ -148,6 +148,8 @@ class Side:
         their outputs, merged by the real KVOutputAggregator."""
         runner_outputs = []
         reqs = list(out.num_scheduled_tokens)
+        # A token is sampled once the prompt is done (not for a partial prefill).
+        sampled = [[11] if self._prompt_done(r) else [] for r in reqs]
         for i, w in enumerate(self.workers):
             done = set(finished_on.get(i, ())) if finished_on is not None else set(finished_recving)
             checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, done)
@@ -155,9 +157,13 @@ class Side:
                                        kv_checksums=checksums)
             runner_outputs.append(ModelRunnerOutput(
                 req_ids=reqs, req_id_to_index={r: j for j, r in enumerate(reqs)},
-                sampled_token_ids=[[11] for _ in reqs], logprobs=None, prompt_logprobs_dict={},
+                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
                 pooler_output=None, kv_connector_output=kv_out))
         return self.aggregator.aggregate(runner_outputs, 0)
+
+    def _prompt_done(self, request_id: str) -> bool:
+        request = self.scheduler.requests.get(request_id)
+        return request is None or request.num_computed_tokens >= request.num_prompt_tokens
 
     def update(self, out, merged) -> dict:
         """The scheduler's update from the workers' merged output; the engine

@@ -41,18 +41,6 @@ MAX_LOAD_BYTES = 64 * 2**20
 ADDRESS_SPACE_HEADROOM = 4 * 2**30
 
 
-@pytest.fixture
-def logs(caplog):
-    logger = logging.getLogger("vllm.kv_checksum")
-    logger.addHandler(caplog.handler)  # vLLM's loggers do not propagate to the root
-    caplog.handler.setLevel(logging.DEBUG)
-    old = logger.level
-    logger.setLevel(logging.DEBUG)
-    yield caplog
-    logger.setLevel(old)
-    logger.removeHandler(caplog.handler)
-
-
 # -- bounded memory -----------------------------------------------------------
 
 

@@ -18,18 +18,6 @@ from pd_harness import load, make_side, prefill, prompt_of, run_local
 PROMPT = 77  # 4 full 16-token blocks and a partial one
 
 
-@pytest.fixture
-def logs(caplog):
-    logger = logging.getLogger("vllm.kv_checksum")
-    logger.addHandler(caplog.handler)  # vLLM's loggers do not propagate to the root
-    caplog.handler.setLevel(logging.DEBUG)
-    old = logger.level
-    logger.setLevel(logging.DEBUG)
-    yield caplog
-    logger.setLevel(old)
-    logger.removeHandler(caplog.handler)
-
-
 def stats(side):
     return dict(side.scheduler.kv_checksum.stats)
 

@@ -31,6 +31,8 @@ def test_window_keeps_the_last_blocks_the_connector_sends():
     assert group_blocks(ids, WINDOW_48, 128, 160) == GroupBlocks(8, (18, 19))
     # Shorter than the window: everything.
     assert group_blocks(ids[:2], WINDOW_48, 0, 20) == GroupBlocks(0, (10, 11))
+    # A block list shorter than the tokens need: the window ends at its last block.
+    assert group_blocks(ids[:6], WINDOW_48, 0, 160) == GroupBlocks(2, (12, 13, 14, 15))
 
 
 def test_leading_null_blocks_are_dropped():
