@@ -240,8 +240,8 @@ class KVChecksumScheduler:
         they are, or with the checksums added when the connector carries
         them there. Only a normal finish (stop, length) sends checksums, and
         stats["sent"] counts the payloads actually handed to the carrier: a
-        connector that returns no params transfers nothing (e.g. NIXL for a
-        request that stopped during its prefill).
+        connector that returns no params has nothing to transfer for the
+        request (counted as "not_carried").
         """
         pending = self._sends.pop(request.request_id, None)
         if pending is None or request.status.name not in _NORMAL_FINISHES:

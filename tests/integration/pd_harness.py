@@ -147,19 +147,25 @@ class Side:
         """The workers' half of a step for scheduler output `out` (see step):
         their outputs, merged by the real KVOutputAggregator."""
         runner_outputs = []
-        reqs = list(out.num_scheduled_tokens)
-        # A token is sampled once the prompt is done (not for a partial prefill).
-        sampled = [[11] if self._prompt_done(r) else [] for r in reqs]
         for i, w in enumerate(self.workers):
             done = set(finished_on.get(i, ())) if finished_on is not None else set(finished_recving)
             checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, done)
             kv_out = KVConnectorOutput(finished_recving=done or None, failed_recving=set(failed_recving) & done,
                                        kv_checksums=checksums)
-            runner_outputs.append(ModelRunnerOutput(
-                req_ids=reqs, req_id_to_index={r: j for j, r in enumerate(reqs)},
-                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                pooler_output=None, kv_connector_output=kv_out))
+            runner_outputs.append(self.runner_output(out, kv_out))
         return self.aggregator.aggregate(runner_outputs, 0)
+
+    def runner_output(self, out, kv_connector_output) -> ModelRunnerOutput:
+        """One worker's output for scheduler output `out`, as a forward gives it."""
+        reqs = list(out.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: j for j, r in enumerate(reqs)},
+                                 sampled_token_ids=self.sampled_tokens(reqs), logprobs=None,
+                                 prompt_logprobs_dict={}, pooler_output=None,
+                                 kv_connector_output=kv_connector_output)
+
+    def sampled_tokens(self, req_ids) -> list[list[int]]:
+        """A token for each request whose prompt is done; none for a partial prefill."""
+        return [[11] if self._prompt_done(r) else [] for r in req_ids]
 
     def _prompt_done(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)
@@ -170,6 +176,11 @@ class Side:
         outputs by request id."""
         engine_outputs = self.scheduler.update_from_output(out, merged)
         return {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}
+
+
+def stats(side: Side) -> dict:
+    """The side's checksum counters (verified, mismatch, sent, ...)."""
+    return dict(side.scheduler.kv_checksum.stats)
 
 
 def make_config(role: str, tp: int, pp: int, block_size: int, *, enable: bool = True, fail_closed: bool = False,
@@ -375,7 +386,7 @@ def runner_step(side: Side, runner: str, finished_recving=frozenset()):
         result = copy.copy(result)
         reqs = list(out.num_scheduled_tokens)
         result.req_ids, result.req_id_to_index = reqs, {r: i for i, r in enumerate(reqs)}
-        result.sampled_token_ids = [[11] for _ in reqs]
+        result.sampled_token_ids = side.sampled_tokens(reqs)
         runner_outputs.append(result)
     merged = side.aggregator.aggregate(runner_outputs, 0)
     engine_outputs = side.scheduler.update_from_output(out, merged)

@@ -8,13 +8,10 @@ compared: a corrupted early block belongs to the full-attention layers too.
 
 from __future__ import annotations
 
-from pd_harness import load, make_side, prefill, prompt_of
+from pd_harness import load, make_side, prefill, prompt_of, stats
 
 PROMPT = 77  # 5 blocks of 16; a 32-token window would clip to the last 3
 
-
-def stats(side):
-    return dict(side.scheduler.kv_checksum.stats)
 
 
 def test_merged_window_group_compares_every_transferred_block():

@@ -11,14 +11,11 @@ checksummed).
 from __future__ import annotations
 
 import pytest
-from pd_harness import forward_of, load, make_request, make_side, prefill, prompt_of
+from pd_harness import forward_of, load, make_request, make_side, prefill, prompt_of, stats
 from vllm.v1.request import RequestStatus
 
 PROMPT = 77
 
-
-def stats(side):
-    return dict(side.scheduler.kv_checksum.stats)
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])

@@ -25,7 +25,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from pd_harness import Side, load, make_request, make_side, prefill, prompt_of
+from pd_harness import Side, load, make_request, make_side, prefill, prompt_of, stats
 
 import vllm_kvchecksum.scheduler as scheduler_module
 from vllm_kvchecksum.payload import PAYLOAD_VERSION, KVChecksumPayload, PayloadGroup
@@ -133,9 +133,6 @@ def forged_text(original: KVChecksumPayload, forgery: Forgery) -> str:
         return base64.b64encode(msgpack.packb(message, use_bin_type=True)).decode("ascii")
     return payload.encode()
 
-
-def stats(side: Side) -> dict:
-    return dict(side.scheduler.kv_checksum.stats)
 
 
 def assert_clean_load_verifies(producer: Side, consumer: Side, seed: int) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from pd_harness import make_request, make_side, prefill, prompt_of
+from pd_harness import make_request, make_side, prefill, prompt_of, stats
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.request import RequestStatus
 
@@ -22,9 +22,6 @@ from vllm_kvchecksum.runner import checksum_step
 
 PROMPT = 77
 
-
-def stats(side):
-    return dict(side.scheduler.kv_checksum.stats)
 
 
 def kept_on_workers(side) -> set[str]:

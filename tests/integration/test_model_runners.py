@@ -1,24 +1,15 @@
 """A load checksummed through each model runner's own KV connector path
-reaches the scheduler and is verified there (and a corrupted one is caught)."""
-
-import logging
+reaches the scheduler and is verified there (and a corrupted one is caught);
+a producer with a drafter sends checksums from every PP rank."""
 
 import pytest
-from pd_harness import make_request, make_side, prefill, prompt_of, runner_step
+import vllm.v1.worker.gpu_model_runner as gmr
+from pd_harness import (ReportingConnector, forward_of, load, make_request, make_side, prefill, prompt_of,
+                        runner_step, stats)
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.forward_context import set_forward_context
 
 PROMPT = 77
-
-
-@pytest.fixture
-def logs(caplog):
-    logger = logging.getLogger("vllm.kv_checksum")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
-def stats(side):
-    return dict(side.scheduler.kv_checksum.stats)
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
@@ -53,8 +44,6 @@ class _PPRank:
 def runner_for(side, worker, *, drafter: bool, monkeypatch):
     """A V1 GPUModelRunner as execute_model sees it on `worker`'s PP rank
     (no model: only the KV connector decisions are exercised)."""
-    import vllm.v1.worker.gpu_model_runner as gmr
-
     runner = object.__new__(gmr.GPUModelRunner)
     runner.speculative_config = object() if drafter else None
     runner.broadcast_pp_output = False
@@ -69,12 +58,6 @@ def producer_forward_step(side, forward, monkeypatch, *, drafter=True):
     the connector context around the forward, deferred finalization decided by
     the runner itself; a non-last PP rank returns right after the forward (as
     execute_model does), the last rank drafts and then finalizes."""
-    from vllm.distributed.kv_transfer import kv_transfer_state
-    from vllm.forward_context import set_forward_context
-    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
-
-    from pd_harness import ReportingConnector
-
     out = side.scheduler.schedule()
     forward(out)
     runner_outputs = []
@@ -92,15 +75,8 @@ def producer_forward_step(side, forward, monkeypatch, *, drafter=True):
                 runner.finalize_kv_connector(out, kv_output, runner.kv_checksum_worker)
         finally:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
-        from vllm.v1.outputs import ModelRunnerOutput
-        reqs = list(out.num_scheduled_tokens)
-        result = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
-                                   sampled_token_ids=[[11] for _ in reqs], logprobs=None, prompt_logprobs_dict={},
-                                   pooler_output=None, kv_connector_output=kv_output)
-        runner_outputs.append(result)
-    merged = side.aggregator.aggregate(runner_outputs, 0)
-    engine_outputs = side.scheduler.update_from_output(out, merged)
-    return {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}
+        runner_outputs.append(side.runner_output(out, kv_output))
+    return side.update(out, side.aggregator.aggregate(runner_outputs, 0))
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -108,8 +84,6 @@ def test_v1_runner_with_drafter_sends_checksums_from_every_pp_rank(pp, monkeypat
     # With a drafter, only the rank that drafts defers its finalization: if a
     # non-last PP rank deferred, it would never checksum the prompt, the
     # producer's sum would miss it, and every load would be unverified.
-    from pd_harness import forward_of
-
     P = make_side("kv_producer", pp=pp)
     C = make_side("kv_consumer", pp=pp, fail_closed=True)
     preq = make_request(prompt_of(PROMPT), remote_decode=True)
@@ -122,14 +96,11 @@ def test_v1_runner_with_drafter_sends_checksums_from_every_pp_rank(pp, monkeypat
             break
     assert params is not None and "kv_checksums" in params, logs.text
     assert stats(P) == {"sent": 1}
-    from pd_harness import load
     load(C, P, preq, params)
     assert stats(C) == {"verified": 1}, logs.text
 
 
 def test_only_the_drafting_rank_defers_finalize(monkeypatch):
-    import vllm.v1.worker.gpu_model_runner as gmr
-
     runner = object.__new__(gmr.GPUModelRunner)
     for drafter, broadcast, last, defers in [(False, False, True, False), (True, False, True, True),
                                              (True, False, False, False), (True, True, False, True)]:

@@ -7,19 +7,14 @@ counts exactly the payloads handed to the carrier.
 
 from __future__ import annotations
 
-import logging
-
-from pd_harness import forward_of, load, make_request, make_side, prefill, prompt_of
+from pd_harness import forward_of, load, make_request, make_side, prefill, prompt_of, stats
 from vllm.v1.request import RequestStatus
 
 PROMPT = 77
 
 
-def stats(side):
-    return dict(side.scheduler.kv_checksum.stats)
 
-
-def test_aborted_producer_request_sends_no_checksums(caplog):
+def test_aborted_producer_request_sends_no_checksums():
     P = make_side("kv_producer")
     req = make_request(prompt_of(PROMPT), remote_decode=True)
     P.scheduler.add_request(req)

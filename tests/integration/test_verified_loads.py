@@ -13,13 +13,10 @@ import logging
 import msgpack
 import pytest
 import torch
-from pd_harness import load, make_side, prefill, prompt_of, run_local
+from pd_harness import load, make_side, prefill, prompt_of, run_local, stats
 
 PROMPT = 77  # 4 full 16-token blocks and a partial one
 
-
-def stats(side):
-    return dict(side.scheduler.kv_checksum.stats)
 
 
 @pytest.mark.parametrize("producer,consumer", [
