@@ -6,10 +6,12 @@ VLLM_VERSION ?= 0.34.0
 VLLM_GIT ?=
 VLLM_REF ?= main
 VLLM_SRC ?=
+MODEL ?=
+DEMO_ARGS ?=
 PY := .venv/bin/python
 WORKBENCH := cd scripts && ../$(PY) -m workbench
 
-.PHONY: help setup test test-unit test-upstream apply unapply refresh check-series rebase-check bench clean
+.PHONY: help demo setup test test-unit test-e2e test-upstream apply unapply refresh check-series rebase-check bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -17,11 +19,17 @@ help: ## list the targets
 setup: ## build .venv: vLLM v0.32.0 + series in build/vllm, importable (VLLM_DEVICE=cpu|cuda)
 	VLLM_DEVICE=$(VLLM_DEVICE) FORCE=$(FORCE) ci/setup.sh
 
-test: setup ## every test: package, workbench, integration, upstream gate
+demo: setup ## real P/D servers catching injected KV faults: table + build/demo/report.json (DEMO_ARGS=--help)
+	PYTHONPATH=scripts $(PY) -m kvcs_demo --device $(VLLM_DEVICE) $(if $(MODEL),--model $(MODEL)) $(DEMO_ARGS)
+
+test: setup ## every test: package, workbench, integration, e2e demo, upstream gate
 	ci/test.sh
 
-test-unit: setup ## the project's own tests only (tests/)
-	$(PY) -m pytest -p no:cacheprovider -q -n 2 tests
+test-unit: setup ## the project's own tests, without the e2e demo (tests/)
+	$(PY) -m pytest -p no:cacheprovider -q -n 2 -m "not e2e" tests
+
+test-e2e: setup ## the end-to-end test alone: a short make demo on real servers
+	$(PY) -m pytest -p no:cacheprovider -q -s -m e2e tests/e2e
 
 test-upstream: setup ## the upstream regression gate alone
 	$(WORKBENCH) upstream --jobs 2

@@ -80,29 +80,13 @@ if os.environ.get(OLD_RULE_ENV) == "1":
     install_old_rule()
 
 
-def make_tiny_gemma2(path: Path, seed: int = 0) -> Path:
-    """A tiny random Gemma-2 with make_tiny_model's tokenizer (which makes only Llamas)."""
+def make_tiny_gemma2(path: Path) -> Path:
+    """The tiny Gemma-2 of make_tiny_model (sliding window WINDOW / full alternating)."""
     sys.path.insert(0, str(SCRIPTS))
-    from make_tiny_model import make
+    from make_tiny_model import GEMMA2_WINDOW, make_gemma2
 
-    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
-        return path
-    import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    llama = make(ROOT / "build" / "tiny-llama")
-    path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    config = Gemma2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
-                          max_position_embeddings=1024, sliding_window=WINDOW,
-                          layer_types=["sliding_attention", "full_attention"] * 2,
-                          bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
-    Gemma2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    for f in llama.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-            shutil.copy(f, path / f.name)
-    return path
+    assert GEMMA2_WINDOW == WINDOW
+    return make_gemma2(path)
 
 
 def engine(model: str, role: str, port: int, fault: bool):

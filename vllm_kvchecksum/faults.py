@@ -508,8 +508,9 @@ def change_tail(caches: Mapping[str, torch.Tensor], block_ids: Sequence[int], *,
                 first_position: int = 0, layout: str = "HND",
                 layer: str | None = None) -> list[Injection]:
     """Junk past the prompt: the slots at or past num_tokens in the request's
-    last (partial) block get random bytes in one layer, all heads, as decode
-    or draft tokens written after the load would.
+    last (partial) block get other KV values in one layer, all heads (copies
+    of the block's own tokens), as decode or draft tokens written after the
+    load would.
 
     Never detectable, by design: those slots are no part of any checksum, so
     the checksum must NOT report this (a false-alarm drill). Raises
@@ -528,7 +529,13 @@ def change_tail(caches: Mapping[str, torch.Tensor], block_ids: Sequence[int], *,
     def attempt():
         name = _pick(layer, r.distinct, rng)
         old = r.get(name, bid, n, block_size)
-        new = _random_bytes(rng, old.numel(), old).view(old.shape)
+        # Real KV values (copies of the block's own tokens), as a decode or a
+        # misdirected write would leave there: random bytes would hold NaN /
+        # Inf patterns no model writes, which some attention kernels do not
+        # mask (0 * NaN), so the drill would test the kernel, not the checksum.
+        valid = r.get(name, bid, 0, n)
+        picks = [rng.randrange(n) for _ in range(old.shape[1])]
+        new = valid[:, picks].contiguous()
         if torch.equal(old, new):
             return None
         r.put(name, bid, n, new)

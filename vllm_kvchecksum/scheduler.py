@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_kvchecksum.blocks import GroupLayout, request_blocks
 from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY, KVChecksumCarrier
+from vllm_kvchecksum import metrics
 from vllm_kvchecksum.compare import CheckStatus, LoadVerdict, UnverifiedReason, compare_load, sum_producer
 from vllm_kvchecksum.payload import KVChecksumPayload
 from vllm_kvchecksum.records import KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord, KVChecksumScheduled
@@ -47,12 +48,35 @@ logger = logging.getLogger("vllm.kv_checksum")
 _NORMAL_FINISHES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
+# Every client_reason starts with it; vLLM's OpenAI server passes such a
+# stop_reason on to the client as the error message (a retryable error).
+KV_CHECKSUM_ERROR_PREFIX = "kv_checksum_"
+
+
 def client_reason(verdict: LoadVerdict) -> str:
     """What a client is told when its request fails a KV checksum check."""
     if verdict.status is CheckStatus.MISMATCH:
         groups = ", ".join(f"group {g} blocks {list(b)}" for g, b in verdict.mismatched_blocks.items())
-        return f"kv_checksum_mismatch: the KV loaded from the producer is corrupt ({groups})"
-    return f"kv_checksum_unverified: {', '.join(k.value for k in verdict.reason_keys)}"
+        return f"{KV_CHECKSUM_ERROR_PREFIX}mismatch: the KV loaded from the producer is corrupt ({groups})"
+    return f"{KV_CHECKSUM_ERROR_PREFIX}unverified: {', '.join(k.value for k in verdict.reason_keys)}"
+
+
+def _carrier_name(connector) -> str:
+    """How the connector carries a producer request's checksums, for the startup log.
+
+    Asked with a stand-in for a P/D producer request (connectors decide from
+    its kv_transfer_params); "decided per request" when the answer needs more.
+    """
+
+    class _Probe:
+        request_id = "kv-checksum-startup-probe"
+        kv_transfer_params = {"do_remote_decode": True}
+
+    try:
+        carrier = connector.kv_checksum_carrier(_Probe(), False)
+    except Exception:
+        return "decided per request"
+    return "none for P/D producer requests" if carrier is None else carrier.value
 
 
 class KVChecksumConfigError(ValueError):
@@ -140,8 +164,10 @@ class KVChecksumScheduler:
         self._recvs: dict[str, _Pending] = {}
         self._warned: set[str] = set()
         # Verdicts so far ("verified", "mismatch", "unverified"), and
-        # producer payloads "sent" / "not_sent": for logs, metrics, tests.
+        # producer payloads "sent" / "not_sent": for logs and tests.
         self.stats: Counter[str] = Counter()
+        # The counts not yet taken for vLLM's stats (metrics.py keys).
+        self._metrics: Counter[str] = Counter()
 
     @classmethod
     def create(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, connector,
@@ -166,10 +192,23 @@ class KVChecksumScheduler:
                            "enable_kv_checksum is ignored).", name)
             return None
         self = cls(vllm_config, kv_cache_config, connector, null_block_id)
-        logger.info("KV checksums enabled (%s): %d workers, groups %s.",
-                    "fail-closed" if self.fail_closed else "fail-open", self.num_workers,
+        if self.fail_closed:
+            mode = f"fail-closed: a load that fails its check is a KV load failure (kv_load_failure_policy=" \
+                   f"{kv.kv_load_failure_policy!r})"
+        else:
+            mode = "fail-open: a load that fails its check is logged and counted, and used"
+        logger.info("KV checksums enabled (%s); %s, carrier %s; %d workers; transfer groups %s (the workers log "
+                    "which of them they checksum, and why any is skipped).", mode, type(connector).__name__,
+                    _carrier_name(connector), self.num_workers,
                     [layout.group_id for layout in self.layouts])
         return self
+
+    def take_metrics(self) -> dict[str, int] | None:
+        """The counts since the last call (metrics.py keys), for vLLM's SchedulerStats; None if none."""
+        if not self._metrics:
+            return None
+        counts, self._metrics = dict(self._metrics), Counter()
+        return counts
 
     # -- each step ---------------------------------------------------------
 
@@ -249,6 +288,7 @@ class KVChecksumScheduler:
         carrier = self.connector.kv_checksum_carrier(request, False)
         if carrier is not KVChecksumCarrier.KV_TRANSFER_PARAMS or kv_transfer_params is None:
             self.stats["not_carried"] += 1
+            self._metrics[metrics.labelled(metrics.NOT_SENT, "not_carried")] += 1
             logger.debug("KV checksums of request %s are not sent: its connector carries nothing for it "
                          "(carrier %s, kv_transfer_params %s).", request.request_id,
                          getattr(carrier, "value", carrier), "absent" if kv_transfer_params is None else "present")
@@ -258,9 +298,11 @@ class KVChecksumScheduler:
                               pending.blocks.num_tokens, self.tp_size)
         if result.payload is None:
             self.stats["not_sent"] += 1
+            self._metrics[metrics.labelled(metrics.NOT_SENT, "sum_failed")] += 1
             logger.warning("KV checksums of request %s are not sent: %s", request.request_id, result.reason)
             return kv_transfer_params
         self.stats["sent"] += 1
+        self._metrics[metrics.SENT] += 1
         return {**kv_transfer_params, KV_TRANSFER_PARAMS_KEY: result.payload.encode()}
 
     # -- consumer ----------------------------------------------------------
@@ -275,9 +317,15 @@ class KVChecksumScheduler:
         (they are only logged).
         """
         failed = {}
+        for rid in already_failed:
+            # The connector failed the load (reported now or earlier): over,
+            # never compared, whether or not it is also reported finished.
+            if rid in self._recvs:
+                self._drop_recv(rid)
+                self._metrics[metrics.labelled(metrics.NOT_COMPARED, "load_failed")] += 1
         for rid in finished_recving or ():
             pending = self._drop_recv(rid)
-            if pending is None or rid in already_failed:
+            if pending is None:
                 continue
             try:
                 scheduled = {g: (b.start, len(b.block_ids), self._block_size(g))
@@ -295,11 +343,24 @@ class KVChecksumScheduler:
                                       reason_key=UnverifiedReason.COMPARISON_ERROR,
                                       reason=f"comparing raised {type(exc).__name__}: {exc}")
             self.stats[verdict.status.value] += 1
+            self._count(verdict)
             self._log(verdict)
             self._note_groups_left_out(rid, pending)
             if verdict.status is not CheckStatus.VERIFIED and self.fail_closed:
                 failed[rid] = client_reason(verdict)
         return failed
+
+    def _count(self, verdict: LoadVerdict) -> None:
+        if verdict.status is CheckStatus.VERIFIED:
+            self._metrics[metrics.VERIFIED] += 1
+        elif verdict.status is CheckStatus.MISMATCH:
+            self._metrics[metrics.MISMATCHED] += 1
+            self._metrics[metrics.MISMATCHED_BLOCKS] += sum(len(b) for b in verdict.mismatched_blocks.values())
+        else:
+            # One reason per load: the load's own, else its first group's.
+            keys = verdict.reason_keys
+            reason = keys[0].value if keys else UnverifiedReason.COMPARISON_ERROR.value
+            self._metrics[metrics.labelled(metrics.UNVERIFIED, reason)] += 1
 
     def _note_groups_left_out(self, req_id: str, pending: _Pending) -> None:
         """Count and log the groups the block rule left out on both sides.
@@ -321,7 +382,8 @@ class KVChecksumScheduler:
     def forget(self, req_id: str) -> None:
         """The request ended (or its load failed): drop what is kept for it."""
         self._sends.pop(req_id, None)
-        self._drop_recv(req_id)
+        if self._drop_recv(req_id) is not None:
+            self._metrics[metrics.labelled(metrics.NOT_COMPARED, "request_ended")] += 1
         self._step.reqs_to_send.pop(req_id, None)
 
     def _drop_recv(self, req_id: str) -> _Pending | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,8 @@ class Side:
     block_size: int
     groups: list[tuple[list[int], object]]  # (layer numbers, spec) per group
     aggregator: KVOutputAggregator = field(default=None)
+    # Sum of the kv_checksum_stats of every SchedulerStats the steps returned.
+    reported_metrics: Counter = field(default_factory=Counter)
 
     def __post_init__(self):
         self.aggregator = KVOutputAggregator(len(self.workers))
@@ -175,6 +178,12 @@ class Side:
         """The scheduler's update from the workers' merged output; the engine
         outputs by request id."""
         engine_outputs = self.scheduler.update_from_output(out, merged)
+        for eco in engine_outputs.values():
+            # The KV checksum counts the step reports to vLLM's stat loggers.
+            # (getattr: the series' prefixes before the metrics patch lack the field.)
+            counts = getattr(eco.scheduler_stats, "kv_checksum_stats", None)
+            if counts:
+                self.reported_metrics.update(counts)
         return {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}
 
 

@@ -1,0 +1,123 @@
+"""KV checksum counters: what the scheduler counts, and their Prometheus form.
+
+The checksum scheduler counts each verdict and each producer payload as it
+happens (KVChecksumScheduler.take_metrics returns the counts since the last
+call); vLLM's Scheduler.make_stats puts them in SchedulerStats.kv_checksum_stats
+(a flat dict of str -> int, so it crosses the engine-core process boundary as
+the other stats do); the API server's PrometheusStatLogger hands them to
+KVChecksumProm.observe, which adds them to these counters on /metrics:
+
+  vllm:kv_checksum_loads_verified_total           loads whose KV matched
+  vllm:kv_checksum_loads_mismatched_total         loads whose KV differed
+  vllm:kv_checksum_loads_unverified_total{reason} loads that could not be compared
+  vllm:kv_checksum_loads_not_compared_total{reason}
+      loads the checksums never judged: the connector reported the load
+      failed ("load_failed"), or the request ended before its load finished
+      ("request_ended")
+  vllm:kv_checksum_mismatched_blocks_total        block positions that differed
+  vllm:kv_checksum_sent_total                     producer payloads sent
+  vllm:kv_checksum_not_sent_total{reason}         producer payloads not sent
+
+A mismatch is only ever counted as mismatched: a cache miss is no load at all
+(vLLM's external prefix cache counters), and a connector failure is
+not_compared{reason="load_failed"} (and the connector's own counters, e.g.
+vllm:nixl_num_failed_transfers).
+
+Every counter carries vLLM's labels (model_name, engine). Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_kvchecksum.compare import UnverifiedReason
+
+# The stats keys: a name, or "name/label value" for labelled counters.
+VERIFIED = "loads_verified"
+MISMATCHED = "loads_mismatched"
+UNVERIFIED = "loads_unverified"
+NOT_COMPARED = "loads_not_compared"
+MISMATCHED_BLOCKS = "mismatched_blocks"
+SENT = "sent"
+NOT_SENT = "not_sent"
+
+# Label values of the labelled counters (the unverified reasons are
+# UnverifiedReason's values). Bounded: a label never takes a value from
+# outside the process.
+NOT_COMPARED_REASONS = ("load_failed", "request_ended")
+NOT_SENT_REASONS = ("sum_failed", "not_carried")
+
+# name -> (documentation, label name or None, known label values).
+COUNTERS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
+    VERIFIED: ("Loads of KV from a producer whose KV checksums matched.", None, ()),
+    MISMATCHED: ("Loads of KV from a producer whose KV checksums differed (corrupt or misplaced KV).", None, ()),
+    UNVERIFIED: ("Loads of KV from a producer that could not be compared, by reason.", "reason",
+                 tuple(r.value for r in UnverifiedReason)),
+    NOT_COMPARED: ("Loads of KV never compared: the connector reported the load failed, or the request ended "
+                   "before it finished.", "reason", NOT_COMPARED_REASONS),
+    MISMATCHED_BLOCKS: ("Block positions whose KV checksums differed, over all mismatched loads.", None, ()),
+    SENT: ("Producer requests whose KV checksums were sent with their KV.", None, ()),
+    NOT_SENT: ("Producer requests whose KV checksums were not sent, by reason.", "reason", NOT_SENT_REASONS),
+}
+
+METRIC_PREFIX = "vllm:kv_checksum_"
+
+
+def metric_name(key: str) -> str:
+    """The Prometheus name of a counter (Prometheus adds _total on exposition)."""
+    return METRIC_PREFIX + key
+
+
+def labelled(name: str, value: str) -> str:
+    """The stats key of one label value of a labelled counter."""
+    return f"{name}/{value}"
+
+
+class KVChecksumProm:
+    """The KV checksum counters of one PrometheusStatLogger.
+
+    Built by vLLM's PrometheusStatLogger with its own counter class and
+    labels; registers nothing when KV checksums are off, so servers without
+    them show no such metrics. observe() runs once per scheduler stats
+    update, with that update's counts.
+    """
+
+    def __init__(self, enabled: bool, labelnames: list[str],
+                 per_engine_labelvalues: Mapping[int, list[Any]], counter_cls):
+        self._counters: dict[str, dict[int, Any]] = {}
+        self._labelled: dict[str, Any] = {}
+        self._per_engine = {idx: list(values) for idx, values in per_engine_labelvalues.items()}
+        if not enabled:
+            return
+        for key, (doc, label, values) in COUNTERS.items():
+            if label is None:
+                counter = counter_cls(name=metric_name(key), documentation=doc, labelnames=labelnames)
+                self._counters[key] = {idx: counter.labels(*lv) for idx, lv in self._per_engine.items()}
+            else:
+                counter = counter_cls(name=metric_name(key), documentation=doc,
+                                      labelnames=[*labelnames, label])
+                self._labelled[key] = counter
+                # Shown at 0 from the start, so a rate() has a baseline.
+                for lv in self._per_engine.values():
+                    for value in values:
+                        counter.labels(*lv, value)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._counters)
+
+    def observe(self, stats: Mapping[str, int] | None, engine_idx: int = 0) -> None:
+        """Add one stats update's counts. Keys this version does not know are ignored."""
+        if not stats or not self.enabled:
+            return
+        for key, count in stats.items():
+            if count <= 0:
+                continue
+            name, _, value = key.partition("/")
+            if value:
+                known = COUNTERS.get(name)
+                if name in self._labelled and known is not None and value in known[2]:
+                    self._labelled[name].labels(*self._per_engine[engine_idx], value).inc(count)
+            elif name in self._counters:
+                self._counters[name][engine_idx].inc(count)
