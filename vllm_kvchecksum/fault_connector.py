@@ -1,0 +1,746 @@
+"""KVChecksumFaultConnector: a KV connector for operators' drills.
+
+It wraps one real connector (NixlConnector in practice) the way vLLM's
+MultiConnector wraps its children, and on the consumer corrupts the KV a
+load just wrote, after the load finishes and before the KV checksum worker
+checksums it. A drill then shows whether the checksums report the damage
+where they should: a mismatch at the corrupted block positions, a verified
+load when only bytes past the prompt changed, an unverified load when the
+checksums were lost on the way. The fault kinds themselves are the pure
+functions of vllm_kvchecksum.faults; this module decides when and where to
+apply them. Loaded through kv_connector_module_path, it needs no vLLM patch
+(docs/fault-drills.md has the configuration).
+
+Scheduler side (engine core): each load that starts draws, once, whether it
+gets a fault and which (update_state_after_alloc); "drop_checksums" is
+applied there, the other kinds become a plan naming the load's blocks per
+KV cache group (the checksum code's own block rule), sent to the workers
+with the step's connector metadata. Worker side: when the wrapped connector
+reports a planned load finished (get_transfer_results), TP rank 0 of PP
+stage 0 injects the fault into its KV cache tensors, logs it and appends a
+JSON record.
+
+Never use this connector in production: it corrupts KV on purpose.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector, MultiKVConnectorMetadata
+
+from vllm_kvchecksum import faults
+from vllm_kvchecksum.blocks import request_blocks
+from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from vllm_kvchecksum.blocks import GroupLayout
+
+__all__ = ["KVChecksumFaultConnector", "FaultConnectorMetadata", "FaultPlan", "FaultDecision", "FaultSettings",
+           "FaultDecider", "ControlFile", "parse_fault_settings", "parse_kinds", "checksummed_layers", "expect_of",
+           "injection_record", "describe_record", "DROP_CHECKSUMS", "KNOWN_KINDS", "LOGGER_NAME", "RECORD_FIELDS"]
+
+# A child of "vllm.kv_checksum": logs through vLLM's handlers, next to the
+# checksum verdicts it is meant to provoke.
+LOGGER_NAME = "vllm.kv_checksum.fault"
+logger = logging.getLogger(LOGGER_NAME)
+
+CONNECTORS_KEY = "kv_connector_extra_config.connectors"
+FAULTS_SECTION = "kv_checksum_faults"
+FAULTS_KEY = f"kv_connector_extra_config.{FAULTS_SECTION}"
+
+# Carrier loss: the consumer's scheduler never sees the producer's checksums.
+DROP_CHECKSUMS = "drop_checksums"
+KNOWN_KINDS: tuple[str, ...] = (*faults.FAULT_KINDS, DROP_CHECKSUMS)
+ALL_KINDS = "all"
+
+# misplace_block copies a block of another recent load: how many loads back.
+RECENT_LOADS = 8
+
+_SETTING_KEYS = ("kinds", "rate", "seed", "log_path", "control_path")
+_CONTROL_KEYS = ("kinds", "rate")
+
+# Every JSON record has these keys (null where they do not apply).
+_INJECTION_FIELDS = ("layer", "token", "head", "byte", "bit", "other_layer", "other_token", "other_head",
+                     "source_block_id")
+RECORD_FIELDS = ("time", "pid", "side", "request_id", "kind", "group", "positions", "block_ids", "expect",
+                 "skipped", "tp_rank", "pp_rank", *_INJECTION_FIELDS)
+
+
+# ----------------------------------------------------------------- settings
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """The kv_checksum_faults section, validated.
+
+    kinds: the fault kinds drawn from (uniformly; a kind listed twice is
+      drawn twice as often); empty: no faults.
+    rate: the probability that a load gets a fault.
+    seed: seeds the scheduler's draws, so a run is reproducible.
+    log_path: JSON-lines file every injection is appended to, or None.
+    control_path: file whose JSON overrides kinds and rate while it exists.
+    """
+
+    kinds: tuple[str, ...] = KNOWN_KINDS
+    rate: float = 1.0
+    seed: int = 0
+    log_path: str | None = None
+    control_path: str | None = None
+
+
+def parse_kinds(value: Any, where: str) -> tuple[str, ...]:
+    """Fault kinds from config: "all" or a list of KNOWN_KINDS names."""
+    if value == ALL_KINDS:
+        return KNOWN_KINDS
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{where} must be \"all\" or a list of fault kinds, got {value!r}; "
+                         f"known kinds: {', '.join(KNOWN_KINDS)}")
+    unknown = [k for k in value if k not in KNOWN_KINDS]
+    if unknown:
+        raise ValueError(f"{where}: unknown fault kind(s) {', '.join(map(repr, unknown))}; "
+                         f"known kinds: {', '.join(KNOWN_KINDS)} (or \"all\")")
+    return tuple(value)
+
+
+def parse_rate(value: Any, where: str) -> float:
+    """A load's fault probability: a number in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 <= value <= 1:
+        raise ValueError(f"{where} must be a number in [0, 1] (the probability that a load gets a fault), "
+                         f"got {value!r}")
+    return float(value)
+
+
+def _parse_seed(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where} must be an integer, got {value!r}")
+    return value
+
+
+def _parse_path(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where} must be a non-empty file path or null, got {value!r}")
+    return value
+
+
+def parse_fault_settings(extra_config: Mapping[str, Any]) -> FaultSettings:
+    """The validated kv_checksum_faults section of kv_connector_extra_config.
+
+    Raises ValueError naming the key at fault and what it accepts.
+    """
+    section = extra_config.get(FAULTS_SECTION, {})
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{FAULTS_KEY} must be a JSON object with keys {', '.join(_SETTING_KEYS)}, "
+                         f"got {section!r}")
+    unknown = sorted(set(section) - set(_SETTING_KEYS))
+    if unknown:
+        raise ValueError(f"{FAULTS_KEY}: unknown key(s) {', '.join(unknown)}; known keys: "
+                         f"{', '.join(_SETTING_KEYS)}")
+    defaults = FaultSettings()
+    return FaultSettings(
+        kinds=parse_kinds(section.get("kinds", ALL_KINDS), f"{FAULTS_KEY}.kinds"),
+        rate=parse_rate(section.get("rate", defaults.rate), f"{FAULTS_KEY}.rate"),
+        seed=_parse_seed(section.get("seed", defaults.seed), f"{FAULTS_KEY}.seed"),
+        log_path=_parse_path(section.get("log_path"), f"{FAULTS_KEY}.log_path"),
+        control_path=_parse_path(section.get("control_path"), f"{FAULTS_KEY}.control_path"))
+
+
+def check_connectors(extra_config: Mapping[str, Any]) -> None:
+    """Exactly one wrapped connector, as a config object naming its class."""
+    connectors = extra_config.get("connectors")
+    if not isinstance(connectors, (list, tuple)) or len(connectors) != 1:
+        count = len(connectors) if isinstance(connectors, (list, tuple)) else "no"
+        raise ValueError(
+            f"KVChecksumFaultConnector wraps exactly one connector: set {CONNECTORS_KEY} to a list of one "
+            f"connector config, e.g. [{{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}}] "
+            f"(got {count} connectors)")
+    child = connectors[0]
+    if not isinstance(child, Mapping) or not child.get("kv_connector"):
+        raise ValueError(f"{CONNECTORS_KEY}[0] must be a connector config with a \"kv_connector\" name, "
+                         f"got {child!r}")
+
+
+# ----------------------------------------------------------------- control file
+
+class ControlFile:
+    """Kinds and rate for the next loads: the config's, or the control file's.
+
+    The file is stat()ed at each call and re-read only when it changed
+    (mtime, size, inode), so calling this per load is cheap. While the file
+    exists its JSON object {"kinds": [...], "rate": x} (either key optional)
+    overrides the config; a missing file means the config's settings; an
+    unreadable or invalid file means no faults, with one warning per version
+    of the file.
+    """
+
+    def __init__(self, path: str | None, kinds: tuple[str, ...], rate: float):
+        self.path = path
+        self.config = (kinds, rate)
+        self._stamp: Any = "unread"
+        self._current = self.config
+
+    def settings(self) -> tuple[tuple[str, ...], float]:
+        if self.path is None:
+            return self.config
+        try:
+            st = os.stat(self.path)
+            stamp: Any = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        except OSError as exc:
+            stamp = ("error", str(exc))
+        if stamp != self._stamp:
+            self._stamp = stamp
+            self._current = self._read(stamp)
+        return self._current
+
+    def _read(self, stamp) -> tuple[tuple[str, ...], float]:
+        if stamp is None:
+            logger.info("KV checksum drill: control file %s absent: using the config's kinds %s, rate %s.",
+                        self.path, list(self.config[0]), self.config[1])
+            return self.config
+        try:
+            if isinstance(stamp, tuple) and stamp[0] == "error":
+                raise OSError(stamp[1])
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+            settings = self._parse(data)
+        except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+            logger.warning("KV checksum drill: control file %s is unreadable or invalid (%s): no faults until "
+                           "it is fixed or removed.", self.path, exc)
+            return (), 0.0
+        logger.info("KV checksum drill: control file %s: kinds %s, rate %s for the following loads.",
+                    self.path, list(settings[0]), settings[1])
+        return settings
+
+    def _parse(self, data: Any) -> tuple[tuple[str, ...], float]:
+        where = f"control file {self.path}"
+        if not isinstance(data, dict):
+            raise ValueError(f"{where} must hold a JSON object with keys kinds and/or rate")
+        unknown = sorted(set(data) - set(_CONTROL_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; known: kinds, rate")
+        kinds = parse_kinds(data["kinds"], f"{where}: kinds") if "kinds" in data else self.config[0]
+        rate = parse_rate(data["rate"], f"{where}: rate") if "rate" in data else self.config[1]
+        return kinds, rate
+
+
+# ----------------------------------------------------------------- decisions
+
+class FaultDecision(NamedTuple):
+    """One load's fault: its kind, and the seed of the worker's choices."""
+
+    kind: str
+    seed: int
+
+
+class FaultDecider:
+    """Draws, once per load, whether it gets a fault and which.
+
+    One random.Random(seed) across loads: the same seed and the same
+    sequence of loads (and control-file settings) give the same decisions.
+    """
+
+    def __init__(self, seed: int, control: ControlFile):
+        self._rng = random.Random(seed)
+        self.control = control
+
+    def decide(self) -> FaultDecision | None:
+        kinds, rate = self.control.settings()
+        # Drawn for every load, so a load's draw does not depend on whether
+        # the loads before it were faulted.
+        if self._rng.random() >= rate or not kinds:
+            return None
+        return FaultDecision(self._rng.choice(kinds), self._rng.getrandbits(63))
+
+
+class FaultPlan(NamedTuple):
+    """What the workers inject into one load.
+
+    groups: KV cache group id -> (block position of block_ids[0], the
+    load's block ids), exactly the blocks the checksum scheduler compares.
+    """
+
+    kind: str
+    seed: int
+    num_tokens: int
+    groups: dict[int, tuple[int, tuple[int, ...]]]
+
+
+@dataclass
+class FaultConnectorMetadata(MultiKVConnectorMetadata):
+    """MultiConnector's metadata plus the plans of loads started this step.
+
+    Each plan is sent once, in the step its load starts; a worker keeps it
+    until its connector reports the load finished or failed, or the request
+    ends.
+    """
+
+    fault_plans: dict[str, FaultPlan] = field(default_factory=dict)
+
+
+@dataclass
+class _PendingPlan:
+    """A load decided in update_state_after_alloc, planned in build_connector_meta."""
+
+    request: Request
+    decision: FaultDecision
+    num_external_tokens: int
+
+
+# ----------------------------------------------------------------- records
+
+def expect_of(kind: str, injection: faults.Injection | None, skipped: str | None) -> str:
+    """The verdict the checksums must give the load.
+
+    drop_checksums: "unverified" (no expected values). A detectable fault:
+    "mismatch". change_tail (bytes past the prompt, no value's part) and
+    anything undetectable or skipped (no fault): "verified".
+    """
+    if kind == DROP_CHECKSUMS:
+        return "unverified"
+    if skipped is None and injection is not None and injection.detectable:
+        return "mismatch"
+    return "verified"
+
+
+def injection_record(*, request_id: str, kind: str, side: str, group: int | None = None,
+                     injection: faults.Injection | None = None, skipped: str | None = None,
+                     tp_rank: int | None = None, pp_rank: int | None = None, now: float = 0.0,
+                     pid: int = 0) -> dict[str, Any]:
+    """One JSON record of an injection (or of a skipped one): RECORD_FIELDS.
+
+    Pure: the caller passes the time and pid.
+    """
+    record: dict[str, Any] = {
+        "time": now, "pid": pid, "side": side, "request_id": request_id, "kind": kind, "group": group,
+        "positions": list(injection.positions) if injection else [],
+        "block_ids": list(injection.block_ids) if injection else [],
+        "expect": expect_of(kind, injection, skipped), "skipped": skipped,
+        "tp_rank": tp_rank, "pp_rank": pp_rank}
+    for name in _INJECTION_FIELDS:
+        record[name] = getattr(injection, name, None) if injection is not None else None
+    return record
+
+
+def describe_record(record: Mapping[str, Any]) -> str:
+    """The operator's log line for a record."""
+    rid, kind = record["request_id"], record["kind"]
+    if record["skipped"] is not None:
+        return f"KV checksum drill: skipped {kind} for request {rid}: {record['skipped']}"
+    if kind == DROP_CHECKSUMS:
+        return (f"KV checksum drill: injected {kind} into request {rid}: removed {KV_TRANSFER_PARAMS_KEY!r} from "
+                f"its kv_transfer_params; expect {record['expect']}")
+    details = ", ".join(f"{name.replace('_', ' ')} {record[name]}" for name in _INJECTION_FIELDS
+                        if record[name] is not None)
+    return (f"KV checksum drill: injected {kind} into request {rid}: group {record['group']} block positions "
+            f"{record['positions']}" + (f" ({details})" if details else "") + f"; expect {record['expect']}")
+
+
+class _RecordLog:
+    """Appends records to log_path, one JSON line each.
+
+    One os.write of a whole line on an O_APPEND descriptor, so the lines of
+    the scheduler and of every worker process do not interleave.
+    """
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self._warned = False
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self.path is None:
+            return
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if not self._warned:
+                self._warned = True
+                logger.warning("KV checksum drill: cannot append to log_path %s (%s); injections are only logged.",
+                               self.path, exc)
+
+
+def _parallel_ranks() -> tuple[int, int]:
+    """(TP rank, PP rank) of this worker; (0, 0) when vLLM's parallel state
+    is not initialised (tests, single-process use)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+    except Exception:  # AssertionError: the groups are not initialised
+        return 0, 0
+
+
+def _tp_size() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
+    except Exception:
+        return 1
+
+
+def checksummed_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                       kv_caches: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int) -> dict[int, list[str]]:
+    """Per KV cache group this worker checksums, the layers it checksums.
+
+    The KVChecksumWorker's own plan (group_plan.plan_groups, with the same
+    inputs as runner.create_kv_checksum_worker), so a fault never lands in
+    a group the checksums skip (Mamba state, compressed or host-resident
+    caches, ...): its record would promise a mismatch nobody reports.
+    """
+    from vllm_kvchecksum.group_plan import TPPosition, plan_groups
+    from vllm_kvchecksum.runner import uniform_model_kv_heads
+
+    try:
+        model_kv_heads = uniform_model_kv_heads(vllm_config)
+    except Exception:  # no readable model config: replication is then decided from the caches alone
+        model_kv_heads = None
+    plans = plan_groups(kv_cache_config, dict(kv_caches), TPPosition(tp_rank, tp_size, model_kv_heads), "torch")
+    return {gid: [c.name for c in plan.caches] for gid, plan in plans.items()
+            if plan.skip_reason is None and plan.caches}
+
+
+# ----------------------------------------------------------------- connector
+
+class KVChecksumFaultConnector(MultiConnector):
+    """A drill connector: one wrapped connector, plus faults in loaded KV.
+
+    MultiConnector with exactly one child does all the forwarding (loads,
+    saves, handshakes, the checksum carrier hooks); this class adds the
+    fault decisions on the scheduler and the injections on the workers.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        # Validated before MultiConnector builds the child, so a bad config
+        # fails with a message naming the key rather than an assert.
+        check_connectors(extra)
+        self.settings = parse_fault_settings(extra)
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._records = _RecordLog(self.settings.log_path)
+        # Scheduler side.
+        self._decider = FaultDecider(self.settings.seed, ControlFile(
+            self.settings.control_path, self.settings.kinds, self.settings.rate))
+        self._decided: dict[str, _PendingPlan] = {}
+        self._layouts: list[GroupLayout] | None = None
+        # Worker side.
+        self._plans: dict[str, FaultPlan] = {}
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._ranks: tuple[int, int] = (0, 0)
+        self._layers: dict[int, list[str]] = {}
+        self._recent: collections.deque[tuple[str, int, tuple[int, ...]]] = collections.deque(maxlen=RECENT_LOADS)
+        if role == KVConnectorRole.SCHEDULER:
+            self._log_startup(vllm_config)
+
+    def _log_startup(self, vllm_config: VllmConfig) -> None:
+        s = self.settings
+        logger.warning("KV checksum drill connector active: it CORRUPTS loaded KV on purpose (kinds %s, rate %s, "
+                       "seed %d, control file %s, log %s). Never use it in production.",
+                       list(s.kinds), s.rate, s.seed, s.control_path, s.log_path)
+        if not vllm_config.kv_transfer_config.enable_kv_checksum:
+            logger.warning("KV checksum drill: enable_kv_checksum is off, so no checksum will see the faults.")
+
+    @classmethod
+    def _get_connector_classes_and_configs(cls, vllm_config: VllmConfig):
+        # Also reached through classmethods (get_required_kvcache_layout,
+        # build_prom_metrics) before any instance exists.
+        check_connectors(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        return super()._get_connector_classes_and_configs(vllm_config)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        logger.warning("%s", describe_record(record))
+        self._records.write(record)
+
+    # ==============================
+    # Scheduler-side methods
+    # ==============================
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Keep the scheduler's cache manager (for the full block ids of a
+        load and the null block id), and hand it to the child.
+
+        Called once by the Scheduler after it built its KVCacheManager;
+        MultiConnector's version only forwards it to the children.
+        """
+        self._kv_cache_manager = kv_cache_manager
+        super().bind_kv_cache_manager(kv_cache_manager)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        """Forward to the child, then decide the load's fault, once.
+
+        Called by the Scheduler after allocating a request's blocks; with
+        num_external_tokens > 0 a load of that many tokens starts (a second
+        call after the load, with 0, is not a load). drop_checksums is
+        applied here, before the checksum scheduler's add_recv (called right
+        after this hook) reads the request's kv_transfer_params; the other
+        kinds are planned in build_connector_meta, in the same step.
+        """
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens <= 0:
+            return
+        try:
+            decision = self._decider.decide()
+            if decision is None:
+                return
+            if decision.kind == DROP_CHECKSUMS:
+                self._drop_checksums(request)
+            else:
+                self._decided[request.request_id] = _PendingPlan(request, decision, num_external_tokens)
+        except Exception:
+            # A drill must never take the engine down.
+            logger.exception("KV checksum drill: deciding the fault of request %s failed; no fault.",
+                             request.request_id)
+
+    def _drop_checksums(self, request: Request) -> None:
+        """Carrier loss: the request's kv_transfer_params lose the checksums.
+
+        Runs after the child read the params (NIXL does in
+        update_state_after_alloc); a copy replaces them, so whoever else
+        holds the original dict is not changed.
+        """
+        params = request.kv_transfer_params
+        skipped = self._unchecked_reason(request)
+        if skipped is None and (not params or KV_TRANSFER_PARAMS_KEY not in params):
+            skipped = f"the request carries no {KV_TRANSFER_PARAMS_KEY!r} in its kv_transfer_params"
+        if skipped is None:
+            request.kv_transfer_params = {k: v for k, v in params.items() if k != KV_TRANSFER_PARAMS_KEY}
+        self._write(injection_record(request_id=request.request_id, kind=DROP_CHECKSUMS, side="scheduler",
+                                     skipped=skipped, now=time.time(), pid=os.getpid()))
+
+    def _unchecked_reason(self, request: Request) -> str | None:
+        """Why the checksums give this load no verdict, or None.
+
+        The checksum scheduler's add_recv skips a load its connector carries
+        no checksums for (e.g. NIXL's bidirectional transfers); a fault there
+        would prove nothing, so it is recorded as skipped instead.
+        """
+        if self.kv_checksum_carrier(request, True) is None:
+            return "the wrapped connector carries no KV checksums for this load, so none will be compared"
+        return None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FaultConnectorMetadata:
+        """The child's metadata, plus the plans of the loads started in this
+        step (sent once, then forgotten here).
+
+        Called by the Scheduler at the end of schedule(), after every
+        update_state_after_alloc of the step.
+        """
+        child = super().build_connector_meta(scheduler_output)
+        plans = {}
+        decided, self._decided = self._decided, {}
+        for req_id, pending in decided.items():
+            try:
+                plan, skipped = self._plan(pending)
+            except Exception as exc:
+                logger.exception("KV checksum drill: planning the fault of request %s failed.", req_id)
+                plan, skipped = None, f"planning raised {type(exc).__name__}: {exc}"
+            if plan is not None:
+                plans[req_id] = plan
+            else:
+                self._write(injection_record(request_id=req_id, kind=pending.decision.kind, side="scheduler",
+                                             skipped=skipped, now=time.time(), pid=os.getpid()))
+        return FaultConnectorMetadata(metadata=child.metadata, extra_async_saves=child.extra_async_saves,
+                                      fault_plans=plans)
+
+    def _plan(self, pending: _PendingPlan) -> tuple[FaultPlan | None, str | None]:
+        """The load's blocks per group, by the checksum scheduler's own rule.
+
+        Built here, not in update_state_after_alloc: the Scheduler sets
+        request.num_computed_tokens (local prefix hit + loaded tokens) only
+        after that hook, and add_recv is called with exactly these numbers:
+        num_local_tokens = num_computed_tokens - num_external_tokens and
+        num_tokens = num_computed_tokens (vllm/v1/core/sched/scheduler.py,
+        the load_kv_async branch), and the request's full block ids from the
+        cache manager, which do not change while the load waits.
+        """
+        from vllm.v1.request import RequestStatus
+
+        request = pending.request
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # Only async loads are checksummed (add_recv); a sync load would
+            # never be reported in finished_recving.
+            return None, f"not an asynchronous load (request status {request.status.name})"
+        reason = self._unchecked_reason(request)
+        if reason is not None:
+            return None, reason
+        if self._kv_cache_manager is None:
+            return None, "the connector has no KV cache manager (bind_kv_cache_manager was not called)"
+        if self._layouts is None:
+            from vllm_kvchecksum.scheduler import transfer_layouts
+
+            self._layouts = transfer_layouts(self._vllm_config, self._kv_cache_config)
+        num_tokens = request.num_computed_tokens
+        num_local = num_tokens - pending.num_external_tokens
+        # The same null block id the Scheduler gives the checksum scheduler:
+        # BlockPool takes block 0 off its free queue as its null block when
+        # it is built, so it is 0 in practice; read it, do not assume it.
+        null_block_id = self._kv_cache_manager.block_pool.null_block.block_id
+        groups = request_blocks(self._kv_cache_manager.get_block_ids(request.request_id), self._layouts,
+                                num_local, num_tokens, null_block_id)
+        if not groups:
+            return None, "the load has no checksummed blocks"
+        plan = FaultPlan(pending.decision.kind, pending.decision.seed, num_tokens,
+                         {g: (b.start, tuple(b.block_ids)) for g, b in groups.items()})
+        return plan, None
+
+    # ==============================
+    # Worker-side methods
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        """Forward to the child; keep the caches (the very tensors the KV
+        checksum worker reads) and this worker's ranks.
+
+        Called once per worker after the KV cache is allocated, when vLLM's
+        parallel state is set up.
+        """
+        super().register_kv_caches(kv_caches)
+        self._kv_caches = dict(kv_caches)
+        self._ranks = _parallel_ranks()
+        if self.injects:
+            try:
+                self._layers = checksummed_layers(self._vllm_config, self._kv_cache_config, kv_caches,
+                                                  self._ranks[0], _tp_size())
+            except Exception:
+                logger.exception("KV checksum drill: cannot tell which KV cache groups are checksummed; no faults "
+                                 "will be injected on this worker.")
+
+    @property
+    def injects(self) -> bool:
+        """Whether this worker injects: TP rank 0 of PP stage 0 only, so one
+        fault hits one copy of the KV (under PP only stage-0 layers)."""
+        return bool(self._kv_caches) and self._ranks == (0, 0)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Keep the step's new plans; the child gets its own metadata.
+
+        Called by the model runner before each step's forward.
+        """
+        if isinstance(connector_metadata, FaultConnectorMetadata) and connector_metadata.fault_plans \
+                and self.injects:
+            self._plans.update(connector_metadata.fault_plans)
+        super().bind_connector_metadata(connector_metadata)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The child's results; the planned loads among its finished ones get
+        their fault now.
+
+        Order: the model runner calls this after the step's forward and
+        feeds its finished_recving straight to the KV checksum worker
+        (checksum_step in _get_kv_connector_output of
+        vllm/v1/worker/kv_connector_model_runner_mixin.py, and in
+        ActiveKVConnector.post_forward for the V2 runner), in the same
+        step and on the same stream: the checksums see the injected fault,
+        and so does every later forward using the KV.
+        """
+        results = super().get_transfer_results(finished_req_ids)
+        try:
+            # Plans of ended requests go first: their blocks may be reused.
+            for req_id in finished_req_ids or ():
+                self._plans.pop(req_id, None)
+            for req_id in results.failed_recving:
+                self._plans.pop(req_id, None)
+            for req_id in sorted(results.finished_recving):
+                plan = self._plans.pop(req_id, None)
+                if plan is not None:
+                    self._inject(req_id, plan)
+        except Exception:
+            logger.exception("KV checksum drill: handling finished loads failed; no fault injected.")
+        return results
+
+    # -- injection -----------------------------------------------------------
+
+    def _group_caches(self, group_id: int) -> dict[str, torch.Tensor]:
+        """This worker's checksummed [blocks, heads, tokens, cell] caches of a group."""
+        return {name: self._kv_caches[name] for name in self._layers.get(group_id, ())}
+
+    def _block_size(self, group_id: int) -> int:
+        return self._kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.block_size
+
+    def _holds_tokens(self, plan: FaultPlan, group_id: int) -> bool:
+        first, block_ids = plan.groups[group_id]
+        return bool(block_ids) and first * self._block_size(group_id) < plan.num_tokens
+
+    def _inject(self, req_id: str, plan: FaultPlan) -> None:
+        """Inject one planned fault; log and record it, or why it was skipped."""
+        rng = random.Random(plan.seed)
+        group = None
+        try:
+            candidates = [g for g in sorted(plan.groups) if self._group_caches(g) and self._holds_tokens(plan, g)]
+            if not candidates:
+                raise ValueError("no KV cache group of the load has loaded blocks holding tokens and is "
+                                 "checksummed on this worker")
+            group = rng.choice(candidates)
+            first, block_ids = plan.groups[group]
+            caches = self._group_caches(group)
+            choices = {}
+            if plan.kind == "misplace_block":
+                choices["source_block_id"] = self._misplace_source(req_id, group, block_ids, rng)
+            injected = faults.inject(plan.kind, caches, block_ids, num_tokens=plan.num_tokens,
+                                     block_size=self._block_size(group), rng=rng, first_position=first,
+                                     layout="HND", **choices)
+        except ValueError as exc:
+            # The kind does not fit this load (change_tail on a full last
+            # block, swap_blocks with one block, ...): no fault.
+            self._write(self._record(req_id, plan.kind, group, None, skipped=str(exc)))
+            return
+        except Exception as exc:
+            logger.exception("KV checksum drill: injecting %s into request %s raised; no fault recorded as "
+                             "injected.", plan.kind, req_id)
+            self._records.write(self._record(req_id, plan.kind, group, None,
+                                             skipped=f"injection raised {type(exc).__name__}: {exc}"))
+            return
+        finally:
+            if group is not None:
+                self._recent.append((req_id, group, tuple(plan.groups[group][1])))
+        for injection in injected:
+            self._write(self._record(req_id, plan.kind, group, injection))
+
+    def _record(self, req_id, kind, group, injection, skipped=None) -> dict[str, Any]:
+        return injection_record(request_id=req_id, kind=kind, side="worker", group=group, injection=injection,
+                                skipped=skipped, tp_rank=self._ranks[0], pp_rank=self._ranks[1],
+                                now=time.time(), pid=os.getpid())
+
+    def _misplace_source(self, req_id: str, group: int, block_ids: Sequence[int], rng: random.Random) -> int:
+        """A block to copy over one of the load's: one of another recent
+        load's blocks of the group (another request's KV), else any block
+        that is not the load's."""
+        own = set(block_ids)
+        num_blocks = self._kv_cache_config.num_blocks
+        recent = sorted({b for rid, g, ids in self._recent if rid != req_id and g == group for b in ids
+                         if b not in own and 0 <= b < num_blocks})
+        if recent:
+            return rng.choice(recent)
+        others = [b for b in range(num_blocks) if b not in own]
+        if not others:
+            raise ValueError("every block of the KV cache belongs to the load: no other block to misplace")
+        return rng.choice(others)
+
