@@ -246,3 +246,19 @@ def test_unknown_kind_and_bad_choices():
         inject("flip_bit", caches, req["block_ids"], position=4, token=3, **kw)
     with pytest.raises(ValueError, match="not a loaded block"):
         inject("flip_bit", caches, req["block_ids"][1:], first_position=1, position=0, **kw)
+
+
+def test_change_tail_writes_real_kv_values_not_random_bytes():
+    """The tail gets copies of the block's own token cells: values a model
+    writes. Random bytes would hold NaN/Inf patterns that some attention
+    kernels do not mask (0 * NaN), so the drill would test the kernel."""
+    bs, n = 8, 8 * 4 + 3
+    caches = make_caches(2, bs, torch.bfloat16, seed=5)
+    block_ids = [3, 9, 4, 11, 6]
+    inj = inject("change_tail", caches, block_ids, num_tokens=n, block_size=bs, rng=random.Random(1))[0]
+    t = caches[inj.layer]
+    block = t[block_ids[-1]]  # [heads, tokens, cell]
+    valid = {tuple(block[h, tok].view(torch.uint8).tolist()) for h in range(block.shape[0]) for tok in range(3)}
+    for h in range(block.shape[0]):
+        for tok in range(3, bs):
+            assert tuple(block[h, tok].view(torch.uint8).tolist()) in valid

@@ -1,0 +1,651 @@
+"""make demo: real disaggregated vLLM servers that catch bad KV transfers.
+
+    .venv/bin/python -m kvcs_demo            (with scripts/ on PYTHONPATH; `make demo` does this)
+
+Starts real OpenAI-compatible vLLM servers of the patched tree (producers and
+consumers over NixlConnector, UCX on loopback on CPU) and the project's own
+P/D proxy, each a separate process in its own process group; waits on their
+health endpoints; then, per setup (see setups.py), runs a clean phase and one
+phase per fault kind, with the consumer's fault-injecting connector
+(vllm_kvchecksum.fault_connector) switched by its control file. Each request's
+verdict is read from the consumer's Prometheus /metrics (the counter that
+moved), each injection from the connector's JSON lines, the reported block
+positions from the client's error (policy "fail") or the consumer's mismatch
+log line (the other policies), and each output is compared with the
+producer's own single-engine output. Then a hostile client, and TTFT with
+checksums on vs off. Prints one progress line per phase and a table, writes
+build/demo/report.json (schema: docs/e2e.md), and exits non-zero when any
+check fails. Every process it started is stopped on exit, Ctrl-C or failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvcs_demo import prom
+from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
+from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_transfer_config, make_models,
+                              server_argv, server_env)
+
+FAULT_KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
+               "misplace_block", "change_tail", "drop_checksums")
+PROMPT_WORDS = 150  # 151 tokens with BOS: 5 blocks of 32, the last one partial (change_tail needs that)
+OUTPUT_TOKENS = 8
+METRIC = "vllm:kv_checksum_"
+LOAD_COUNTERS = ("loads_verified", "loads_mismatched", "loads_unverified", "loads_not_compared")
+REQUEST_TIMEOUT_S = 180.0
+VERDICT_WAIT_S = 15.0
+STARTUP_TIMEOUT_S = 900.0
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ----------------------------------------------------------------- requests
+
+def prompt_of(key: str) -> str:
+    """A prompt unique to `key` (no prefix-cache hit between requests)."""
+    seed = sum(ord(c) * 131 ** i for i, c in enumerate(key)) % 100_003
+    return " ".join(f"w{(seed + i * (seed % 89 + 7)) % 500 + 4}" for i in range(PROMPT_WORDS))
+
+
+def completion(client: httpx.Client, url: str, prompt: str, *, max_tokens: int = OUTPUT_TOKENS,
+               request_id: str | None = None, kv_transfer_params: dict | None = None) -> tuple[int, dict]:
+    body: dict = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    r = client.post(f"{url}/v1/completions", json=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, {"error": {"message": r.text[:500]}}
+
+
+def text_of(body: dict) -> str | None:
+    try:
+        return body["choices"][0]["text"]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def error_of(body: dict) -> str:
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message", ""))
+    return str(err or "")
+
+
+# ----------------------------------------------------------------- verdicts
+
+def checksum_counts(url: str) -> dict[str, float]:
+    """The consumer's vllm:kv_checksum_* counters, flattened to "name" / "name/label"."""
+    samples = prom.scrape(url)
+    counts: dict[str, float] = {}
+    for (name, labels), value in samples.items():
+        if not name.startswith(METRIC) or not name.endswith("_total"):
+            continue
+        key = name[len(METRIC):-len("_total")]
+        reason = dict(labels).get("reason")
+        counts[f"{key}/{reason}" if reason else key] = counts.get(f"{key}/{reason}" if reason else key, 0) + value
+    return counts
+
+
+def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    return {k: int(v - before.get(k, 0)) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def loads_in(delta: dict[str, int]) -> int:
+    return sum(v for k, v in delta.items() if k.split("/")[0] in LOAD_COUNTERS)
+
+
+def verdict_of(delta: dict[str, int]) -> tuple[str, str | None]:
+    """(verdict, reason) of the one load a counter delta holds."""
+    if loads_in(delta) > 1 or any(v < 0 for v in delta.values()):
+        return "ambiguous", json.dumps(delta, sort_keys=True)
+    for key, n in delta.items():
+        name, _, label = key.partition("/")
+        if n and name in LOAD_COUNTERS:
+            return {"loads_verified": "verified", "loads_mismatched": "mismatch", "loads_unverified": "unverified",
+                    "loads_not_compared": "not_compared"}[name], label or None
+    return "no_load", None
+
+
+def wait_for_verdict(url: str, before: dict[str, float]) -> dict[str, int]:
+    """The counter delta once one more load is counted (bounded wait on /metrics)."""
+    deadline = time.monotonic() + VERDICT_WAIT_S
+    while True:
+        delta = diff(checksum_counts(url), before)
+        if loads_in(delta) >= 1 or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.05)
+
+
+_CLIENT_POSITIONS = re.compile(r"group (\d+) blocks \[([\d, ]*)\]")
+_LOG_MISMATCH = re.compile(r"KV checksum mismatch for request '([^']*)': (.*)")
+_LOG_GROUP = re.compile(r"group (\d+) differs at block positions ([\d, \-]+) \(")
+
+
+def positions_from_client_error(message: str) -> dict[int, list[int]]:
+    return {int(g): sorted(int(p) for p in ps.split(",") if p.strip())
+            for g, ps in _CLIENT_POSITIONS.findall(message)}
+
+
+def _expand(ranges: str) -> list[int]:
+    out = []
+    for part in ranges.split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-")
+            out += range(int(lo), int(hi) + 1)
+        elif part:
+            out.append(int(part))
+    return sorted(out)
+
+
+def positions_from_log(log_path: Path, request_id: str) -> dict[int, list[int]]:
+    """The block positions of the consumer's mismatch line for the request."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return {}
+    for rid, rest in _LOG_MISMATCH.findall(text):
+        if request_id in rid:
+            return {int(g): _expand(ps) for g, ps in _LOG_GROUP.findall(rest)}
+    return {}
+
+
+def injections_for(path: Path | None, request_id: str) -> list[dict]:
+    if path is None or not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and request_id in str(rec.get("request_id", "")):
+            out.append(rec)
+    return out
+
+
+# ----------------------------------------------------------------- phases
+
+@dataclass
+class RequestResult:
+    request_id: str
+    phase: str
+    status: int
+    verdict: str
+    reason: str | None
+    expected: str
+    injection: dict | None
+    reported: dict[int, list[int]]
+    output_equal: bool | None  # None: no output (the request failed)
+    error: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    ok: bool = False
+    problem: str = ""
+
+
+@dataclass
+class PhaseResult:
+    phase: str
+    requests: list[RequestResult] = field(default_factory=list)
+    metrics: dict[str, int] = field(default_factory=dict)
+
+
+def expected_verdict(phase: str, injection: dict | None) -> str:
+    if phase == "clean" or injection is None or injection.get("skipped"):
+        return "verified"
+    return injection.get("expect", "mismatch")
+
+
+def judge(res: RequestResult, setup: Setup) -> None:
+    """Whether the request went as the policy and the injection say it must."""
+    problems = []
+    if res.phase != "clean" and res.injection is None:
+        problems.append("no injection recorded (rate 1)")
+    if res.verdict != res.expected:
+        problems.append(f"verdict {res.verdict} ({res.reason}), expected {res.expected}")
+    if res.expected == "mismatch" and res.injection is not None:
+        want = {int(res.injection["group"]): sorted(res.injection["positions"])}
+        if res.reported != want:
+            problems.append(f"reported positions {res.reported}, injected {want}")
+    failed_check = res.verdict in ("mismatch", "unverified")
+    if failed_check and setup.policy == "fail":
+        if res.status == 200 or "kv_checksum_" not in res.error:
+            problems.append(f"policy fail: expected an error naming the KV checksum failure, got {res.status} "
+                            f"{res.error[:120]!r}")
+    elif res.status != 200:
+        problems.append(f"HTTP {res.status}: {res.error[:160]}")
+    # change_tail: only the checksum's verdict is required; what the model
+    # decodes after bytes past the prompt changed is the attention kernel's
+    # business (see docs/e2e.md), reported in output_equal, not judged.
+    must_equal = (not failed_check or setup.policy == "recompute" or res.expected == "unverified") \
+        and res.phase != "change_tail"
+    if res.status == 200 and must_equal and not res.output_equal:
+        problems.append("output differs from the single-engine reference")
+    res.problem = "; ".join(problems)
+    res.ok = not problems
+
+
+def run_request(client: httpx.Client, setup: Setup, proxy: str, phase: str, index: int) -> RequestResult:
+    rid = f"demo.{setup.name}.{phase}.{index:03d}.r"
+    prompt = prompt_of(rid)
+    consumer = setup.urls["consumer"]
+    t0 = time.perf_counter()
+    # The single-engine reference (the producer's own greedy output), where an
+    # output is expected: not for faults that fail the request under "fail".
+    reference = None
+    if phase in ("clean", "change_tail") or setup.policy != "fail":
+        status, ref_body = completion(client, setup.urls["producer"], prompt)
+        reference = text_of(ref_body)
+    t1 = time.perf_counter()
+    before = checksum_counts(consumer)
+    t2 = time.perf_counter()
+    status, body = completion(client, f"{proxy}/pairs/{setup.name}", prompt, request_id=rid)
+    t3 = time.perf_counter()
+    delta = wait_for_verdict(consumer, before)
+    t4 = time.perf_counter()
+    timings = {"reference_ms": (t1 - t0) * 1000, "scrape_ms": (t2 - t1) * 1000, "pd_ms": (t3 - t2) * 1000,
+               "verdict_wait_ms": (t4 - t3) * 1000}
+    verdict, reason = verdict_of(delta)
+    error = error_of(body) if status != 200 else ""
+    injections = injections_for(setup.injections_path, rid)
+    injection = injections[0] if injections else None
+    if status != 200 and "kv_checksum_mismatch" in error:
+        reported = positions_from_client_error(error)
+    elif verdict == "mismatch":
+        reported = positions_from_log(setup.logs["consumer"], rid)
+    else:
+        reported = {}
+    out = text_of(body) if status == 200 else None
+    res = RequestResult(rid, phase, status, verdict, reason, expected_verdict(phase, injection), injection,
+                        reported, None if out is None or reference is None else out == reference, error,
+                        timings=timings)
+    judge(res, setup)
+    return res
+
+
+def set_faults(setup: Setup, kind: str | None) -> None:
+    if setup.control_path is None:
+        return
+    control = {"kinds": [], "rate": 0.0} if kind is None else {"kinds": [kind], "rate": 1.0}
+    tmp = setup.control_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(control))
+    os.replace(tmp, setup.control_path)  # atomic: the connector never reads half a file
+
+
+def wait_ready(group: ProcessGroup, servers: list, setup: Setup, t0: float,
+               up: threading.Event | None = None) -> None:
+    group.wait_healthy(servers, timeout=STARTUP_TIMEOUT_S)
+    log(f"[{setup.name}] producer and consumer healthy after {time.monotonic() - t0:.0f} s")
+    if up is not None:
+        up.set()
+
+
+def run_setup(setup: Setup, proxy: str, kinds: list[str], n: int, out: dict, errors: dict,
+              ready=lambda: None) -> None:
+    phases: list[PhaseResult] = []
+    try:
+        ready()
+    except Exception as exc:  # a server that failed to start: report it, stop the run
+        errors[setup.name] = f"{type(exc).__name__}: {exc}"
+        return
+    out[setup.name] = phases
+    with httpx.Client(trust_env=False) as client:
+        for phase in ["clean", *kinds]:
+            set_faults(setup, None if phase == "clean" else phase)
+            result = PhaseResult(phase)
+            before = checksum_counts(setup.urls["consumer"])
+            for i in range(n):
+                result.requests.append(run_request(client, setup, proxy, phase, i))
+            result.metrics = diff(checksum_counts(setup.urls["consumer"]), before)
+            phases.append(result)
+            ok = sum(r.ok for r in result.requests)
+            log(f"[{setup.name}] {phase:<15} {n} requests: " + summary(result.metrics)
+                + f"; as expected {ok}/{n}" + ("" if ok == n else "  <-- " + next(
+                    r.problem for r in result.requests if not r.ok)))
+        set_faults(setup, None)
+
+
+def summary(metrics: dict[str, int]) -> str:
+    def total(name):
+        return sum(v for k, v in metrics.items() if k.split("/")[0] == name)
+    return (f"verified {total('loads_verified')}, mismatched {total('loads_mismatched')}, "
+            f"unverified {total('loads_unverified')}")
+
+
+# ----------------------------------------------------------------- hostile client
+
+def forged_payloads(real: str) -> dict[str, str]:
+    from vllm_kvchecksum.payload import MAX_TOKENS, KVChecksumPayload
+
+    payload = KVChecksumPayload.decode(real)
+    # Accepted by the decoder (every field below its bounds), yet no consumer
+    # block lines up with it: one block of 2**40 - 1 tokens.
+    extreme = dataclasses.replace(
+        payload, num_tokens=MAX_TOKENS - 1,
+        groups={gid: dataclasses.replace(g, block_size=MAX_TOKENS - 1, start=0, values=g.values[:1])
+                for gid, g in payload.groups.items()})
+    return {"malformed": "%%not-a-payload%%" + real[:40], "extreme_values": extreme.encode()}
+
+
+def run_hostile(setup: Setup, proxy: str) -> list[dict]:
+    """Forged kv_checksums straight to the consumer: unverified, and the consumer keeps serving."""
+    results = []
+    set_faults(setup, None)
+    with httpx.Client(trust_env=False) as client:
+        for name, _ in (("malformed", None), ("extreme_values", None)):
+            rid = f"demo.{setup.name}.hostile-{name}.r"
+            prompt = prompt_of(rid)
+            status, body = completion(client, setup.urls["producer"], prompt, max_tokens=1,
+                                      kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+            params = dict(body.get("kv_transfer_params") or {})
+            forged = forged_payloads(params["kv_checksums"])[name]
+            params["kv_checksums"] = forged
+            before = checksum_counts(setup.urls["consumer"])
+            status, body = completion(client, setup.urls["consumer"], prompt, request_id=rid,
+                                      kv_transfer_params=params)
+            delta = wait_for_verdict(setup.urls["consumer"], before)
+            verdict, reason = verdict_of(delta)
+            rid_next = f"demo.{setup.name}.after-{name}.r"
+            next_status, next_body = completion(client, f"{proxy}/pairs/{setup.name}", prompt_of(rid_next),
+                                                request_id=rid_next)
+            ok = verdict == "unverified" and next_status == 200 and (
+                status != 200 if setup.fail_closed else status == 200)
+            results.append({"payload": name, "status": status, "error": error_of(body)[:200], "verdict": verdict,
+                            "reason": reason, "next_request_status": next_status, "ok": ok})
+            log(f"[{setup.name}] hostile {name:<14} HTTP {status}, verdict {verdict} ({reason}); next request "
+                f"HTTP {next_status}" + ("" if ok else "  <-- unexpected"))
+    return results
+
+
+# ----------------------------------------------------------------- TTFT
+
+def measure_ttft(on: Setup, off: Setup, proxy: str, n: int) -> dict:
+    """Time to first token through the proxy (prefill, transfer, first decode
+    token: max_tokens=1), checksums on vs off, alternating, in the same run."""
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    set_faults(on, None)
+    with httpx.Client(trust_env=False) as client:
+        for i in range(n + 1):
+            order = (("on", on), ("off", off)) if i % 2 else (("off", off), ("on", on))
+            for label, setup in order:
+                rid = f"demo.ttft.{label}.{i:03d}.r"
+                t0 = time.perf_counter()
+                status, _ = completion(client, f"{proxy}/pairs/{setup.name}", prompt_of(rid), max_tokens=1,
+                                       request_id=rid)
+                elapsed = time.perf_counter() - t0
+                if i > 0 and status == 200:  # the first pair warms both paths up
+                    times[label].append(elapsed)
+    # The two pairs take turns (and turns which goes first), so both see the
+    # same machine; p50, as single requests on a shared 2-core box have tails.
+    p50 = {k: statistics.median(v) * 1000 if v else None for k, v in times.items()}
+    ratio = p50["on"] / p50["off"] if p50["on"] and p50["off"] else None
+    return {"requests_each": n, "on_p50_ms": p50["on"], "off_p50_ms": p50["off"], "ratio": ratio,
+            "on_ms": [t * 1000 for t in times["on"]], "off_ms": [t * 1000 for t in times["off"]]}
+
+
+# ----------------------------------------------------------------- servers
+
+def server_specs(setups: list[Setup], device: str, work: Path, python: str) -> dict[str, list[ServerSpec]]:
+    """Each setup's producer and consumer command lines, on free ports."""
+    specs: dict[str, list[ServerSpec]] = {}
+    gpu = 0
+    for s in setups:
+        for role, side in (("kv_producer", "producer"), ("kv_consumer", "consumer")):
+            port = free_port_block(1)
+            side_port = free_port_block(8)  # NIXL side channel: base port + rank
+            if role == "kv_consumer" and s.faults:
+                s.control_path = work / f"{s.name}.faults.json"
+                s.injections_path = work / f"{s.name}.injections.jsonl"
+                s.injections_path.write_text("")
+                set_faults(s, None)
+            kv = kv_transfer_config(s, role, device, control_path=s.control_path,
+                                    injections_path=s.injections_path)
+            tp = s.producer_tp if side == "producer" else s.consumer_tp
+            gpus = list(range(gpu, gpu + tp)) if device == "cuda" else None
+            gpu += tp if device == "cuda" else 0
+            s.logs[side] = work / f"{s.name}.{side}.log"
+            s.urls[side] = f"http://127.0.0.1:{port}"
+            specs.setdefault(s.name, []).append(ServerSpec(
+                f"{s.name}-{side}", server_argv(python, s, role, port, device, kv),
+                server_env(device, side_port, gpus) | {"PYTHONUNBUFFERED": "1"}, port, s.logs[side]))
+    return specs
+
+
+def start_proxy(group: ProcessGroup, setups: list[Setup], work: Path, python: str):
+    port = free_port_block(1)
+    pairs = [f"--pair={s.name}={s.urls['producer']},{s.urls['consumer']}" for s in setups]
+    return group.start(ServerSpec("proxy", [python, "-m", "kvcs_demo.proxy", "--port", str(port), *pairs],
+                                  {"PYTHONPATH": str(ROOT / "scripts"), "PYTHONUNBUFFERED": "1"}, port,
+                                  work / "proxy.log"))
+
+
+def startup_lines(setup: Setup) -> dict[str, list[str]]:
+    """Each server's startup log lines about KV checksums."""
+    out = {}
+    for side, path in setup.logs.items():
+        text = path.read_text(errors="replace") if path.exists() else ""
+        out[side] = [ln.split("] ", 1)[-1] for ln in text.splitlines()
+                     if "KV checksums" in ln and ("enabled" in ln or "disabled" in ln or "not checksummed" in ln)]
+    return out
+
+
+# ----------------------------------------------------------------- report
+
+def build_report(args, setups, results, hostile, ttft, startup, wall) -> dict:
+    report = {"command": " ".join(sys.argv), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                                         "device": args.device},
+              "wall_s": round(wall, 1), "mode": args.mode, "requests_per_phase": args.requests, "setups": []}
+    failures = []
+    for s in setups:
+        if s.name not in results:
+            continue
+        entry = {"name": s.name, "model": str(s.model), "hybrid_kv_cache_manager": s.hybrid, "policy": s.policy,
+                 "fail_closed": s.fail_closed, "producer_tp": s.producer_tp, "consumer_tp": s.consumer_tp,
+                 "startup_log": startup.get(s.name, {}), "phases": []}
+        for ph in results[s.name]:
+            reqs = ph.requests
+            entry["phases"].append({
+                "phase": ph.phase,
+                "requests": len(reqs),
+                "metrics": ph.metrics,
+                "false_mismatches": sum(r.verdict == "mismatch" and r.expected != "mismatch" for r in reqs),
+                "outputs_equal": sum(bool(r.output_equal) for r in reqs),
+                "outputs": sum(r.output_equal is not None for r in reqs),
+                "http_errors": sum(r.status != 200 for r in reqs),
+                "injections": [{"request_id": r.request_id, "kind": (r.injection or {}).get("kind"),
+                                "group": (r.injection or {}).get("group"),
+                                "positions": (r.injection or {}).get("positions"),
+                                "block_ids": (r.injection or {}).get("block_ids"),
+                                "skipped": (r.injection or {}).get("skipped"),
+                                "expected": r.expected, "verdict": r.verdict, "reason": r.reason,
+                                "reported": {str(g): p for g, p in r.reported.items()}, "status": r.status,
+                                "output_equal": r.output_equal, "ok": r.ok, "problem": r.problem,
+                                "timings_ms": {k: round(v, 1) for k, v in r.timings.items()}}
+                               for r in reqs],
+            })
+            failures += [f"{s.name}/{ph.phase}/{r.request_id}: {r.problem}" for r in reqs if not r.ok]
+        if s.name in hostile:
+            entry["hostile_client"] = hostile[s.name]
+            failures += [f"{s.name}/hostile/{h['payload']}: verdict {h['verdict']}, status {h['status']}, next "
+                         f"{h['next_request_status']}" for h in hostile[s.name] if not h["ok"]]
+        report["setups"].append(entry)
+    report["ttft"] = ttft
+    report["failures"] = failures
+    report["ok"] = not failures
+    return report
+
+
+def print_table(report: dict) -> None:
+    log("")
+    log(f"{'setup':<16} {'phase':<15} {'reqs':>4} {'verif':>5} {'mism':>5} {'unver':>5} {'detected':>8} "
+        f"{'false':>5} {'out=ref':>7}  positions reported / injected")
+    for s in report["setups"]:
+        for ph in s["phases"]:
+            m = ph["metrics"]
+
+            def total(name):
+                return sum(v for k, v in m.items() if k.split("/")[0] == name)
+            inj = ph["injections"]
+            detectable = [i for i in inj if i["expected"] == "mismatch"]
+            detected = sum(i["ok"] for i in detectable)
+            pos = "; ".join(f"{i['reported'] or '-'} / g{i['group']}:{i['positions']}" for i in detectable[:2])
+            if ph["phase"] == "change_tail":
+                pos = "tail changed, must verify"
+            elif ph["phase"] == "drop_checksums":
+                pos = "checksums dropped, must be unverified"
+            log(f"{s['name']:<16} {ph['phase']:<15} {ph['requests']:>4} {total('loads_verified'):>5} "
+                f"{total('loads_mismatched'):>5} {total('loads_unverified'):>5} "
+                f"{(f'{detected}/{len(detectable)}' if detectable else '-'):>8} {ph['false_mismatches']:>5} "
+                f"{ph['outputs_equal']}/{ph['outputs']:<5}  {pos}")
+        for h in s.get("hostile_client", []):
+            log(f"{s['name']:<16} {'hostile:' + h['payload']:<24} HTTP {h['status']}, {h['verdict']} ({h['reason']}), "
+                f"next request HTTP {h['next_request_status']}")
+    t = report.get("ttft") or {}
+    if t.get("ratio"):
+        log(f"TTFT p50 (prefill + transfer + first token, {t['requests_each']} requests each): checksums on "
+            f"{t['on_p50_ms']:.0f} ms, off {t['off_p50_ms']:.0f} ms, ratio {t['ratio']:.2f}")
+    log(f"wall time {report['wall_s']:.0f} s; " + ("every check passed" if report["ok"] else
+                                                  f"{len(report['failures'])} check(s) FAILED:"))
+    for f in report["failures"][:20]:
+        log(f"  FAIL {f}")
+
+
+# ----------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="make demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=1, help="requests per phase and setup (default 1)")
+    p.add_argument("--kinds", default=",".join(FAULT_KINDS),
+                   help="fault kinds, one phase each (default: all: " + ",".join(FAULT_KINDS) + ")")
+    p.add_argument("--model", type=Path, help="another model directory (default: the tiny Llama and Gemma-2)")
+    p.add_argument("--setups", help="comma-separated setup names to run (default: all)")
+    p.add_argument("--producer-tp", type=int, default=1, help="tensor parallel size of the producers (CPU)")
+    p.add_argument("--mode", choices=MODES, default="pull", help="connector mode (pull: NIXL READ)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=os.environ.get("VLLM_DEVICE") or "cpu")
+    p.add_argument("--ttft-requests", type=int, default=20, help="TTFT requests each with checksums on and off "
+                   "(0: skip the baseline pair)")
+    p.add_argument("--no-hostile", action="store_true", help="skip the hostile-client requests")
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "demo", help="report and logs directory")
+    p.add_argument("--python", default=sys.executable, help="the Python that runs the servers")
+    args = p.parse_args(argv)
+    if args.device not in ("cpu", "cuda"):  # a default from VLLM_DEVICE is not checked by argparse
+        p.error(f"VLLM_DEVICE / --device must be cpu or cuda, got {args.device!r}")
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    unknown = set(args.kinds) - set(FAULT_KINDS)
+    if unknown:
+        p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(FAULT_KINDS)}")
+    if args.requests < 1:
+        p.error("--requests must be at least 1")
+    if args.device == "cuda" and args.model is None:
+        p.error("--device cuda needs --model (a model directory or name the GPU host has)")
+    return args
+
+
+def choose_setups(args) -> list[Setup]:
+    if args.device == "cuda":
+        setups = gpu_setups(args.model)
+        if args.ttft_requests <= 0:
+            setups = [s for s in setups if s.checksums]
+    else:
+        models = {} if args.model else make_models(ROOT / "build")
+        setups = cpu_setups(models, args.model, args.producer_tp, ttft=args.ttft_requests > 0)
+    if args.setups:
+        wanted = {name for name in args.setups.split(",") if name}
+        names = {s.name for s in setups}
+        if wanted - names:
+            raise SystemExit(f"unknown setups {sorted(wanted - names)}; known: {', '.join(sorted(names))}")
+        keep = wanted | ({"baseline-off"} if args.ttft_requests > 0 else set())
+        setups = [s for s in setups if s.name in keep]
+    return setups
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    setups = choose_setups(args)
+    work = args.out
+    work.mkdir(parents=True, exist_ok=True)
+    for old in work.glob("*"):
+        if old.is_file():
+            old.unlink()
+    checked = [s for s in setups if s.checksums]
+    if not checked:
+        raise SystemExit("no setup with checksums on was chosen (--setups); nothing to show")
+    results: dict[str, list[PhaseResult]] = {}
+    hostile: dict[str, list[dict]] = {}
+    ttft = None
+    errors: dict[str, str] = {}
+    specs = server_specs(setups, args.device, work, args.python)
+    off = next((s for s in setups if not s.checksums), None)
+    with ProcessGroup() as group:
+        servers = {s.name: [group.start(spec) for spec in specs[s.name]] for s in checked}
+        proxy_server = start_proxy(group, setups, work, args.python)
+        proxy = proxy_server.url
+        log(f"started {2 * len(checked)} vLLM servers and the proxy (logs in {work}); each setup runs once its "
+            "pair answers /health")
+        first_up = threading.Event()
+        threads = [threading.Thread(
+            target=run_setup, name=s.name, args=(s, proxy, args.kinds, args.requests, results, errors),
+            kwargs={"ready": lambda s=s: wait_ready(group, [*servers[s.name], proxy_server], s, t0, first_up)})
+            for s in checked]
+        for t in threads:
+            t.start()
+        if off is not None:
+            # The TTFT baseline is needed last: started once a checked pair is
+            # up, so it does not slow their start on a small machine.
+            while not first_up.wait(1.0) and any(t.is_alive() for t in threads):
+                pass
+            servers[off.name] = [group.start(spec) for spec in specs[off.name]]
+        for t in threads:
+            t.join()
+        # Every process group the demo started, for checks that none outlives it.
+        (work / "process_groups.json").write_text(json.dumps(
+            {m.name: m.pgid for ms in servers.values() for m in ms} | {proxy_server.name: proxy_server.pgid}))
+        if errors:
+            raise SystemExit("servers failed to start:\n" + "\n".join(f"{k}: {v}" for k, v in errors.items()))
+        if not args.no_hostile:
+            target = next((s for s in checked if s.fail_closed), checked[0])
+            hostile[target.name] = run_hostile(target, proxy)
+        if off is not None:
+            # Checksums on vs off on the same model and layout, and nothing
+            # else running: the other pairs are stopped first.
+            on = next((s for s in checked if (s.model, s.hybrid, s.producer_tp, s.consumer_tp)
+                       == (off.model, off.hybrid, off.producer_tp, off.consumer_tp)), None)
+            for s in checked:
+                if s is not on:
+                    for m in servers[s.name]:
+                        group.stop(m)
+            wait_ready(group, servers[off.name], off, t0)
+            if on is not None:
+                ttft = measure_ttft(on, off, proxy, args.ttft_requests)
+            else:
+                log("TTFT: no chosen setup matches the baseline's model and layout; not measured")
+        startup = {s.name: startup_lines(s) for s in setups}
+    report = build_report(args, setups, results, hostile, ttft, startup, time.monotonic() - t0)
+    (work / "report.json").write_text(json.dumps(report, indent=2))
+    print_table(report)
+    log(f"report: {work / 'report.json'}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

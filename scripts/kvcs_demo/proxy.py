@@ -1,0 +1,290 @@
+"""The demo's prefill/decode proxy: one completion = a producer leg + a consumer leg.
+
+Run as its own process (with `scripts/` on PYTHONPATH):
+
+    python -m kvcs_demo.proxy --port 8000 \\
+        --pair a=http://127.0.0.1:8100,http://127.0.0.1:8200 [--pair b=...]
+
+Routes:
+- `POST /pairs/{name}/v1/completions`: through pair `name`;
+- `POST /v1/completions`: through the first pair;
+- `GET /health`: 200 once it serves.
+
+A completion (non-streaming only) goes first to the producer with
+`max_tokens: 1` and `kv_transfer_params: {"do_remote_decode": true, ...}`,
+so the producer prefills and keeps the KV for the consumer; then the client's
+original request goes to the consumer with the `kv_transfer_params` the
+producer returned (the NIXL handle and, with checksums on, `kv_checksums`),
+so the consumer pulls the KV instead of prefilling. The consumer's answer is
+the client's answer.
+
+Response headers: `X-KVCS-Request-Id` (the id both legs carry; the producer
+leg's `X-Request-Id` is `<id>-prefill`), and `X-KVCS-Failed-Leg: prefill|decode`
+when a leg failed. Errors the proxy makes itself are OpenAI-style JSON
+`{"error": {"message", "type", "code"}}` and name the leg and the URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import re
+import sys
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+
+log = logging.getLogger("kvcs_demo.proxy")
+
+MAX_BODY_BYTES = 1024 * 1024
+# A producer's answer carries kv_checksums (~87 KB for a 128K-token prompt);
+# anything near this bound is not a completion.
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+LEG_TIMEOUT_S = 120.0
+
+REQUEST_ID = "X-Request-Id"
+KVCS_REQUEST_ID = "X-KVCS-Request-Id"
+FAILED_LEG = "X-KVCS-Failed-Leg"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A producer (prefill) server and a consumer (decode) server, by base URL."""
+
+    name: str
+    producer: str
+    consumer: str
+
+
+def parse_pair(text: str) -> Pair:
+    """`NAME=PRODUCER_URL,CONSUMER_URL` -> Pair (ValueError saying what is wrong)."""
+    name, sep, urls = text.partition("=")
+    parts = [u.strip().rstrip("/") for u in urls.split(",")]
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ValueError(f"--pair {text!r}: expected NAME=PRODUCER_URL,CONSUMER_URL")
+    if not _NAME_RE.match(name):
+        raise ValueError(f"--pair {text!r}: name {name!r} must match {_NAME_RE.pattern}")
+    for url in parts:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--pair {text!r}: {url!r} is not an http(s) URL")
+    return Pair(name, parts[0], parts[1])
+
+
+# ------------------------------------------------------------------ responses
+
+
+def _error(status: int, message: str, *, leg: str | None = None,
+           request_id: str | None = None) -> web.Response:
+    headers = {}
+    if leg:
+        headers[FAILED_LEG] = leg
+    if request_id:
+        headers[KVCS_REQUEST_ID] = request_id
+    kind = "invalid_request_error" if status < 500 else "proxy_error"
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": status}},
+        status=status, headers=headers,
+    )
+
+
+def _passthrough(status: int, body: bytes, content_type: str | None,
+                 request_id: str, leg: str | None) -> web.Response:
+    headers = {KVCS_REQUEST_ID: request_id,
+               "Content-Type": content_type or "application/json"}
+    if leg:
+        headers[FAILED_LEG] = leg
+    return web.Response(status=status, body=body, headers=headers)
+
+
+class _LegFailed(Exception):
+    """A leg got no HTTP answer (connection error, timeout, oversized body)."""
+
+    def __init__(self, response: web.Response):
+        self.response = response
+
+
+# ---------------------------------------------------------------------- proxy
+
+
+class Proxy:
+    """The aiohttp handlers; one ClientSession for every leg, made on startup."""
+
+    def __init__(self, pairs: list[Pair], *, leg_timeout: float = LEG_TIMEOUT_S,
+                 max_body_bytes: int = MAX_BODY_BYTES,
+                 max_response_bytes: int = MAX_RESPONSE_BYTES):
+        if not pairs:
+            raise ValueError("the proxy needs at least one --pair")
+        names = [p.name for p in pairs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pair names must be unique, got {names}")
+        self.pairs = {p.name: p for p in pairs}
+        self.default = pairs[0]
+        self.leg_timeout = leg_timeout
+        self.max_body_bytes = max_body_bytes
+        self.max_response_bytes = max_response_bytes
+        self.session: ClientSession | None = None
+
+    async def session_ctx(self, app: web.Application):
+        # No trust_env: the servers are local, an http_proxy variable must not
+        # route the legs elsewhere.
+        self.session = ClientSession(connector=TCPConnector(limit=256),
+                                     timeout=ClientTimeout(total=self.leg_timeout))
+        yield
+        await self.session.close()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "pairs": list(self.pairs)})
+
+    async def completions_default(self, request: web.Request) -> web.Response:
+        return await self._completion(request, self.default)
+
+    async def completions_pair(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        pair = self.pairs.get(name)
+        if pair is None:
+            return _error(404, f"no pair named {name!r}; known pairs: {sorted(self.pairs)}")
+        return await self._completion(request, pair)
+
+    async def _completion(self, request: web.Request, pair: Pair) -> web.Response:
+        request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        try:
+            response = await self._two_legs(request, pair, request_id)
+        except _LegFailed as e:
+            response = e.response
+        except Exception as e:  # never let one request take the proxy down
+            log.exception("request %s through pair %s failed", request_id, pair.name)
+            response = _error(500, f"proxy error on pair {pair.name!r}: {e!r}",
+                              request_id=request_id)
+        # One line per completion, to find a request in the servers' logs.
+        failed = response.headers.get(FAILED_LEG)
+        log.info("request %s via pair %s: %d%s", request_id, pair.name, response.status,
+                 f" (failed leg: {failed})" if failed else "")
+        return response
+
+    async def _two_legs(self, request: web.Request, pair: Pair,
+                        request_id: str) -> web.Response:
+        try:
+            raw = await request.read()  # bounded by client_max_size
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body larger than {self.max_body_bytes} "
+                               "bytes (--max-body-bytes)", request_id=request_id)
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            return _error(400, f"request body is not valid JSON: {e}", request_id=request_id)
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object (a completion request)",
+                          request_id=request_id)
+        if body.get("stream"):
+            return _error(400, 'the kvcs demo proxy serves non-streaming completions only; '
+                               'send "stream": false', request_id=request_id)
+
+        # Leg 1: prefill on the producer, which keeps the KV for the consumer.
+        prefill = dict(body)
+        prefill.update(max_tokens=1, stream=False,
+                       kv_transfer_params={"do_remote_decode": True,
+                                           "do_remote_prefill": False})
+        if "max_completion_tokens" in prefill:
+            prefill["max_completion_tokens"] = 1
+        # min_tokens > 1 would be rejected next to max_tokens 1; it only
+        # matters to the decode leg anyway.
+        prefill.pop("min_tokens", None)
+        prefill.pop("stream_options", None)
+        p_url = f"{pair.producer}/v1/completions"
+        status, p_body, p_type = await self._post(
+            "prefill", p_url, prefill, f"{request_id}-prefill", request_id)
+        if status != 200:
+            return _passthrough(status, p_body, p_type, request_id, "prefill")
+        try:
+            params = json.loads(p_body).get("kv_transfer_params")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            return _error(502, f"producer of pair {pair.name!r} ({p_url}) answered 200 "
+                               "with a body that is not a JSON object",
+                          leg="prefill", request_id=request_id)
+        if not params:
+            return _error(502, f"producer of pair {pair.name!r} ({p_url}) returned no "
+                               "kv_transfer_params: start it with a NixlConnector "
+                               'kv_transfer_config whose kv_role produces KV ("kv_producer" '
+                               'or "kv_both")', leg="prefill", request_id=request_id)
+
+        # Leg 2: the client's own request, loading the producer's KV.
+        decode = dict(body)
+        decode["kv_transfer_params"] = params
+        c_url = f"{pair.consumer}/v1/completions"
+        status, c_body, c_type = await self._post(
+            "decode", c_url, decode, request_id, request_id)
+        return _passthrough(status, c_body, c_type, request_id,
+                            None if status == 200 else "decode")
+
+    async def _post(self, leg: str, url: str, payload: dict, header_id: str,
+                    request_id: str) -> tuple[int, bytes, str | None]:
+        """POST one leg; (status, body, content type), or _LegFailed with a 502/504."""
+        assert self.session is not None
+        try:
+            async with self.session.post(url, json=payload,
+                                         headers={REQUEST_ID: header_id}) as resp:
+                body = await resp.content.read(self.max_response_bytes + 1)
+                if len(body) > self.max_response_bytes:
+                    raise _LegFailed(_error(
+                        502, f"{leg} leg: {url} answered more than "
+                             f"{self.max_response_bytes} bytes", leg=leg,
+                        request_id=request_id))
+                return resp.status, body, resp.headers.get("Content-Type")
+        except asyncio.TimeoutError:
+            raise _LegFailed(_error(
+                504, f"{leg} leg: no answer from {url} within {self.leg_timeout:g} s "
+                     "(--timeout)", leg=leg, request_id=request_id)) from None
+        except ClientError as e:
+            raise _LegFailed(_error(
+                502, f"{leg} leg: cannot reach {url}: {e}; is that server running?",
+                leg=leg, request_id=request_id)) from None
+
+
+def build_app(pairs: list[Pair], *, leg_timeout: float = LEG_TIMEOUT_S,
+              max_body_bytes: int = MAX_BODY_BYTES,
+              max_response_bytes: int = MAX_RESPONSE_BYTES) -> web.Application:
+    """The proxy's aiohttp application (for `web.run_app` or a test server)."""
+    proxy = Proxy(pairs, leg_timeout=leg_timeout, max_body_bytes=max_body_bytes,
+                  max_response_bytes=max_response_bytes)
+    app = web.Application(client_max_size=max_body_bytes)
+    app.cleanup_ctx.append(proxy.session_ctx)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_post("/v1/completions", proxy.completions_default)
+    app.router.add_post("/pairs/{name}/v1/completions", proxy.completions_pair)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kvcs_demo.proxy",
+                                 description="The kvcs demo's prefill/decode proxy.")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--pair", action="append", required=True, metavar="NAME=P_URL,C_URL",
+                    help="a producer and a consumer base URL; repeat for more pairs "
+                         "(the first also serves /v1/completions)")
+    ap.add_argument("--timeout", type=float, default=LEG_TIMEOUT_S,
+                    help="seconds per leg (default %(default)s)")
+    ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                    help="largest client body accepted (default %(default)s)")
+    args = ap.parse_args(argv)
+    try:
+        pairs = [parse_pair(p) for p in args.pair]
+        app = build_app(pairs, leg_timeout=args.timeout, max_body_bytes=args.max_body_bytes)
+    except ValueError as e:
+        ap.error(str(e))
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    routes = ", ".join(f"{p.name}: {p.producer} -> {p.consumer}" for p in pairs)
+    # shutdown_timeout: on SIGTERM (the demo's stop) in-flight legs get 5 s,
+    # well inside the demo's 20 s before SIGKILL.
+    web.run_app(app, host=args.host, port=args.port, shutdown_timeout=5,
+                print=lambda _: log.info("listening on http://%s:%d (%s)",
+                                         args.host, args.port, routes))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""What the demo serves: models, P/D pairs, and the vLLM command lines.
+
+A setup is one producer/consumer pair of real vLLM OpenAI servers on one
+model. The CPU default runs three: the tiny Llama (one KV cache group,
+consumer fail-closed with kv_load_failure_policy "fail"), the tiny Gemma-2
+with the hybrid KV cache manager on (a sliding-window group and a full
+group; fail-closed with "recompute"), and the same Gemma-2 with it off (one
+merged group that NIXL sends whole; fail-open), plus a Llama pair without
+checksums for the TTFT baseline. Each policy is shown on real servers, and
+each fault kind runs on each layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts"
+CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
+BLOCK_SIZE = 32  # the CPU attention backend takes multiples of 32 only
+MAX_MODEL_LEN = 512
+
+# Policy name -> (kv_checksum_fail_closed, kv_load_failure_policy).
+POLICIES = {"fail": (True, "fail"), "recompute": (True, "recompute"), "open": (False, "fail")}
+MODES = ("pull",)  # the carriers issue adds "push" and "mooncake" here
+
+
+@dataclass
+class Setup:
+    """One producer/consumer pair."""
+
+    name: str
+    model: Path
+    hybrid: bool = True  # the hybrid KV cache manager (off: --disable-hybrid-kv-cache-manager)
+    policy: str = "fail"  # a POLICIES key: what the consumer does with a failed check
+    checksums: bool = True  # enable_kv_checksum on both servers
+    faults: bool = True  # the consumer wraps its connector in the fault-injecting one
+    producer_tp: int = 1
+    consumer_tp: int = 1
+    # Set when the servers start.
+    urls: dict[str, str] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+    control_path: Path | None = None
+    injections_path: Path | None = None
+
+    @property
+    def fail_closed(self) -> bool:
+        return POLICIES[self.policy][0]
+
+
+def make_models(build: Path) -> dict[str, Path]:
+    """The tiny random models (made once under build/, nothing downloaded)."""
+    sys.path.insert(0, str(SCRIPTS))
+    from make_tiny_model import make, make_gemma2
+
+    return {"llama": make(build / "tiny-llama").resolve(), "gemma2": make_gemma2(build / "tiny-gemma2").resolve()}
+
+
+def cpu_setups(models: dict[str, Path], model: Path | None, producer_tp: int, ttft: bool) -> list[Setup]:
+    """The default CPU run (see the module docstring). model: another model
+    directory, served in place of the tiny Llama and Gemma-2 (one setup per
+    policy, hybrid manager on)."""
+    if model is not None:
+        setups = [Setup("model-fail", model, policy="fail", producer_tp=producer_tp),
+                  Setup("model-recompute", model, policy="recompute", producer_tp=producer_tp),
+                  Setup("model-open", model, policy="open", producer_tp=producer_tp)]
+        base = model
+    else:
+        setups = [Setup("llama", models["llama"], policy="fail", producer_tp=producer_tp),
+                  Setup("gemma2-hybrid", models["gemma2"], hybrid=True, policy="recompute",
+                        producer_tp=producer_tp),
+                  Setup("gemma2-merged", models["gemma2"], hybrid=False, policy="open", producer_tp=producer_tp)]
+        base = models["llama"]
+    if ttft:
+        # The same connector stack as the checked pairs (the drill wrapper,
+        # never switched on), so on/off differ by the checksums alone.
+        setups.append(Setup("baseline-off", base, policy="open", checksums=False, producer_tp=producer_tp))
+    return setups
+
+
+def gpu_setups(model: Path) -> list[Setup]:
+    """The GPU-host run: TP1->TP1, producer TP2 -> consumer TP1, TP1 -> TP2."""
+    return [Setup("tp1-tp1", model, policy="fail"),
+            Setup("tp2-tp1", model, policy="fail", producer_tp=2),
+            Setup("tp1-tp2", model, policy="fail", consumer_tp=2),
+            Setup("baseline-off", model, policy="open", checksums=False)]
+
+
+def kv_transfer_config(setup: Setup, role: str, device: str, *, control_path: Path | None = None,
+                       injections_path: Path | None = None, seed: int = 0) -> dict:
+    """The --kv-transfer-config of one server of the pair."""
+    nixl = {"kv_connector": "NixlConnector", "kv_role": role}
+    if device == "cpu":
+        nixl["kv_buffer_device"] = "cpu"
+    config: dict = dict(nixl)
+    if setup.checksums:
+        fail_closed, policy = POLICIES[setup.policy]
+        config.update(enable_kv_checksum=True, kv_checksum_fail_closed=fail_closed,
+                      kv_load_failure_policy=policy)
+    if role == "kv_consumer" and setup.faults:
+        faults = {"kinds": "all", "rate": 0.0, "seed": seed}
+        if control_path is not None:
+            faults["control_path"] = str(control_path)
+        if injections_path is not None:
+            faults["log_path"] = str(injections_path)
+        config.update(kv_connector="KVChecksumFaultConnector",
+                      kv_connector_module_path="vllm_kvchecksum.fault_connector",
+                      kv_connector_extra_config={"connectors": [nixl], "kv_checksum_faults": faults})
+    return config
+
+
+def server_argv(python: str, setup: Setup, role: str, port: int, device: str, kv_config: dict) -> list[str]:
+    """The command line of one real vLLM OpenAI server, as an operator runs it."""
+    tp = setup.producer_tp if role == "kv_producer" else setup.consumer_tp
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(setup.model),
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
+            "--seed", "0", "--tensor-parallel-size", str(tp),
+            "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
+    if device == "cpu":
+        # Small KV caches: several servers share this machine's memory.
+        argv += ["--dtype", "bfloat16", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
+                 "--kv-cache-memory-bytes", str(256 * 2**20)]
+    else:
+        argv += ["--gpu-memory-utilization", "0.3", "--block-size", "16"]
+    if not setup.hybrid:
+        argv.append("--disable-hybrid-kv-cache-manager")
+    return argv
+
+
+def server_env(device: str, side_channel_port: int, gpus: list[int] | None = None) -> dict[str, str]:
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "INFO"}
+    if device == "cpu":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # servers share 2 cores; binding would pin them all to one
+        # One OpenMP thread per server: several servers' idle OpenMP threads
+        # spin-waiting on two cores stall each other's steps for seconds.
+        env["OMP_NUM_THREADS"] = "1"
+        # NIXL's progress thread pauses 500 us between rounds instead of
+        # spinning a core per server (cpu_site/sitecustomize.py says why).
+        env["PYTHONPATH"] = os.pathsep.join([str(CPU_SITE), str(ROOT)])
+        env["KVCS_NIXL_PTHR_DELAY_US"] = "500"
+    else:
+        env["VLLM_GPU_SYNC_CHECK"] = "error"
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    return env

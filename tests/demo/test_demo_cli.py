@@ -1,0 +1,707 @@
+"""kvcs_demo.demo and kvcs_demo.setups without servers.
+
+What `make demo` decides before any server starts (its arguments, setups,
+the vLLM command lines and environments, including the GPU-host flow that
+cannot run here) and what it makes of what the servers answer (counter
+deltas, reported block positions, injection records, the per-request
+verdicts, the report and its table), fed with synthetic data. No vLLM server
+and no model is started or made here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from kvcs_demo import demo, prom
+from kvcs_demo import setups as setups_mod
+from kvcs_demo.demo import (FAULT_KINDS, PhaseResult, RequestResult, build_report, checksum_counts, choose_setups,
+                            diff, expected_verdict, injections_for, judge, loads_in, parse_args,
+                            positions_from_client_error, positions_from_log, print_table, verdict_of)
+from kvcs_demo.setups import (BLOCK_SIZE, CPU_SITE, MAX_MODEL_LEN, ROOT, Setup, cpu_setups, gpu_setups,
+                              kv_transfer_config, server_argv, server_env)
+
+ALL_KINDS = ["flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
+             "misplace_block", "change_tail", "drop_checksums"]
+FAKE_MODELS = {"llama": Path("/fake/tiny-llama"), "gemma2": Path("/fake/tiny-gemma2")}
+
+
+@pytest.fixture(autouse=True)
+def _no_device_env(monkeypatch):
+    monkeypatch.delenv("VLLM_DEVICE", raising=False)
+
+
+def parse_error(capsys, argv) -> str:
+    """parse_args(argv) must exit with argparse's usage error; its message."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def flag(argv: list[str], name: str) -> str:
+    """The value after `name` (present exactly once)."""
+    assert argv.count(name) == 1, (name, argv)
+    return argv[argv.index(name) + 1]
+
+
+# ----------------------------------------------------------------- 1. parse_args
+
+def test_parse_args_defaults():
+    args = parse_args([])
+    assert list(FAULT_KINDS) == ALL_KINDS
+    assert args.requests == 1
+    assert args.kinds == ALL_KINDS
+    assert args.device == "cpu"
+    assert args.model is None
+    assert args.setups is None
+    assert args.producer_tp == 1
+    assert args.mode == "pull"
+    assert args.ttft_requests == 20
+    assert args.no_hostile is False
+    assert args.out == ROOT / "build" / "demo"
+
+
+def test_parse_args_device_from_env(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_DEVICE", "cuda")
+    args = parse_args(["--model", "org/some-model"])
+    assert args.device == "cuda"
+    assert args.model == Path("org/some-model")
+    # The env default is checked like the flag: cuda still needs --model.
+    assert "--device cuda needs --model" in parse_error(capsys, [])
+    # The flag wins over the environment.
+    assert parse_args(["--device", "cpu"]).device == "cpu"
+
+
+def test_parse_args_kinds_subset():
+    assert parse_args(["--kinds", "swap_blocks,flip_bit"]).kinds == ["swap_blocks", "flip_bit"]
+    assert parse_args(["--kinds", "change_tail,"]).kinds == ["change_tail"]
+
+
+def test_parse_args_unknown_kind(capsys):
+    err = parse_error(capsys, ["--kinds", "flip_bit,bogus"])
+    assert "unknown fault kinds ['bogus']" in err
+    assert "flip_bit" in err.split("known:")[1]  # the known ones are listed
+
+
+def test_parse_args_requests_zero(capsys):
+    assert "--requests must be at least 1" in parse_error(capsys, ["--requests", "0"])
+    assert parse_args(["--requests", "3"]).requests == 3
+
+
+def test_parse_args_cuda_needs_model(capsys):
+    assert "--device cuda needs --model" in parse_error(capsys, ["--device", "cuda"])
+    assert parse_args(["--device", "cuda", "--model", "X"]).device == "cuda"
+
+
+# ----------------------------------------------------------------- 2. setups
+
+def shape(s: Setup) -> tuple:
+    return (s.name, s.model, s.hybrid, s.policy, s.checksums, s.faults, s.producer_tp, s.consumer_tp)
+
+
+def test_gpu_setups_via_choose_setups():
+    got = choose_setups(parse_args(["--device", "cuda", "--model", "X"]))
+    x = Path("X")
+    assert [shape(s) for s in got] == [
+        ("tp1-tp1", x, True, "fail", True, True, 1, 1),
+        ("tp2-tp1", x, True, "fail", True, True, 2, 1),
+        ("tp1-tp2", x, True, "fail", True, True, 1, 2),
+        ("baseline-off", x, True, "open", False, True, 1, 1),
+    ]
+    assert [shape(s) for s in got] == [shape(s) for s in gpu_setups(x)]
+
+
+def test_gpu_setups_without_ttft_have_no_baseline():
+    got = choose_setups(parse_args(["--device", "cuda", "--model", "X", "--ttft-requests", "0"]))
+    assert [s.name for s in got] == ["tp1-tp1", "tp2-tp1", "tp1-tp2"]
+    assert all(s.checksums for s in got)
+
+
+def test_gpu_setups_filter():
+    got = choose_setups(parse_args(["--device", "cuda", "--model", "X", "--setups", "tp2-tp1"]))
+    assert [s.name for s in got] == ["tp2-tp1", "baseline-off"]
+
+
+def test_cpu_setups_default():
+    got = cpu_setups(FAKE_MODELS, None, 1, ttft=True)
+    llama, gemma = FAKE_MODELS["llama"], FAKE_MODELS["gemma2"]
+    assert [shape(s) for s in got] == [
+        ("llama", llama, True, "fail", True, True, 1, 1),
+        ("gemma2-hybrid", gemma, True, "recompute", True, True, 1, 1),
+        ("gemma2-merged", gemma, False, "open", True, True, 1, 1),
+        ("baseline-off", llama, True, "open", False, True, 1, 1),
+    ]
+    assert [s.fail_closed for s in got[:3]] == [True, True, False]
+
+
+def test_cpu_setups_producer_tp_and_no_ttft():
+    got = cpu_setups(FAKE_MODELS, None, 2, ttft=False)
+    assert [s.name for s in got] == ["llama", "gemma2-hybrid", "gemma2-merged"]
+    assert [(s.producer_tp, s.consumer_tp) for s in got] == [(2, 1)] * 3
+
+
+def test_cpu_setups_other_model():
+    m = Path("/fake/other")
+    got = cpu_setups({}, m, 1, ttft=True)
+    assert [shape(s) for s in got] == [
+        ("model-fail", m, True, "fail", True, True, 1, 1),
+        ("model-recompute", m, True, "recompute", True, True, 1, 1),
+        ("model-open", m, True, "open", True, True, 1, 1),
+        ("baseline-off", m, True, "open", False, True, 1, 1),
+    ]
+
+
+@pytest.fixture
+def fake_make_models(monkeypatch):
+    calls = []
+
+    def make_models(build):
+        calls.append(build)
+        return dict(FAKE_MODELS)
+
+    monkeypatch.setattr(demo, "make_models", make_models)
+    return calls
+
+
+def test_choose_setups_cpu_makes_models_once(fake_make_models):
+    got = choose_setups(parse_args([]))
+    assert fake_make_models == [ROOT / "build"]
+    assert [s.name for s in got] == ["llama", "gemma2-hybrid", "gemma2-merged", "baseline-off"]
+    assert got[0].model == FAKE_MODELS["llama"]
+
+
+def test_choose_setups_cpu_other_model_makes_none(fake_make_models):
+    got = choose_setups(parse_args(["--model", "/fake/other"]))
+    assert fake_make_models == []
+    assert [s.name for s in got] == ["model-fail", "model-recompute", "model-open", "baseline-off"]
+
+
+def test_setups_filter_keeps_baseline_only_with_ttft(fake_make_models):
+    got = choose_setups(parse_args(["--setups", "llama,gemma2-merged"]))
+    assert [s.name for s in got] == ["llama", "gemma2-merged", "baseline-off"]
+    got = choose_setups(parse_args(["--setups", "llama,gemma2-merged", "--ttft-requests", "0"]))
+    assert [s.name for s in got] == ["llama", "gemma2-merged"]
+
+
+def test_setups_filter_unknown_name(fake_make_models):
+    with pytest.raises(SystemExit) as exc:
+        choose_setups(parse_args(["--setups", "llama,nope"]))
+    msg = str(exc.value.code)
+    assert msg.startswith("unknown setups ['nope']; known: ")
+    assert "baseline-off, gemma2-hybrid, gemma2-merged, llama" in msg
+    # Without TTFT there is no baseline pair to ask for.
+    with pytest.raises(SystemExit) as exc:
+        choose_setups(parse_args(["--setups", "baseline-off", "--ttft-requests", "0"]))
+    assert str(exc.value.code).startswith("unknown setups ['baseline-off']")
+
+
+# ----------------------------------------------------------------- 3. command lines
+
+NIXL_CPU_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+
+
+@pytest.mark.parametrize("policy, fail_closed, load_policy",
+                         [("fail", True, "fail"), ("recompute", True, "recompute"), ("open", False, "fail")])
+def test_kv_config_cpu_consumer_with_faults(tmp_path, policy, fail_closed, load_policy):
+    s = Setup("x", Path("/m"), policy=policy)
+    control, injections = tmp_path / "x.faults.json", tmp_path / "x.injections.jsonl"
+    cfg = kv_transfer_config(s, "kv_consumer", "cpu", control_path=control, injections_path=injections, seed=7)
+    assert cfg == {
+        "kv_connector": "KVChecksumFaultConnector",
+        "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
+        "kv_role": "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "enable_kv_checksum": True,
+        "kv_checksum_fail_closed": fail_closed,
+        "kv_load_failure_policy": load_policy,
+        "kv_connector_extra_config": {
+            "connectors": [NIXL_CPU_CONSUMER],
+            "kv_checksum_faults": {"kinds": "all", "rate": 0.0, "seed": 7, "control_path": str(control),
+                                   "log_path": str(injections)},
+        },
+    }
+    json.dumps(cfg)  # it goes on a command line
+
+
+def test_kv_config_cpu_producer_is_plain_nixl():
+    cfg = kv_transfer_config(Setup("x", Path("/m"), policy="recompute"), "kv_producer", "cpu")
+    assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
+                   "enable_kv_checksum": True, "kv_checksum_fail_closed": True,
+                   "kv_load_failure_policy": "recompute"}
+
+
+def test_kv_config_checksums_off():
+    s = Setup("baseline-off", Path("/m"), policy="open", checksums=False)
+    prod = kv_transfer_config(s, "kv_producer", "cpu")
+    assert prod == {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+    cons = kv_transfer_config(s, "kv_consumer", "cpu")
+    assert cons["kv_connector"] == "KVChecksumFaultConnector"  # the same stack, never switched on
+    for key in ("enable_kv_checksum", "kv_checksum_fail_closed", "kv_load_failure_policy"):
+        assert key not in cons
+    assert cons["kv_connector_extra_config"]["connectors"] == [NIXL_CPU_CONSUMER]
+    assert cons["kv_connector_extra_config"]["kv_checksum_faults"] == {"kinds": "all", "rate": 0.0, "seed": 0}
+
+
+def test_kv_config_consumer_without_faults():
+    cfg = kv_transfer_config(Setup("x", Path("/m"), faults=False), "kv_consumer", "cpu")
+    assert cfg["kv_connector"] == "NixlConnector"
+    assert "kv_connector_extra_config" not in cfg and "kv_connector_module_path" not in cfg
+
+
+def test_kv_config_cuda_has_no_buffer_device():
+    s = Setup("tp1-tp2", Path("X"), consumer_tp=2)
+    prod = kv_transfer_config(s, "kv_producer", "cuda")
+    cons = kv_transfer_config(s, "kv_consumer", "cuda")
+    assert "kv_buffer_device" not in prod and "kv_buffer_device" not in cons
+    assert cons["kv_connector_extra_config"]["connectors"] == [{"kv_connector": "NixlConnector",
+                                                                "kv_role": "kv_consumer"}]
+    assert cons["enable_kv_checksum"] is True and cons["kv_checksum_fail_closed"] is True
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_server_argv_cpu(hybrid):
+    s = Setup("x", Path("/models/tiny"), hybrid=hybrid, producer_tp=2)
+    for role, tp in (("kv_producer", "2"), ("kv_consumer", "1")):
+        kv = kv_transfer_config(s, role, "cpu")
+        argv = server_argv("/py/python", s, role, 12345, "cpu", kv)
+        assert argv[:3] == ["/py/python", "-m", "vllm.entrypoints.openai.api_server"]
+        assert flag(argv, "--model") == "/models/tiny"
+        assert flag(argv, "--port") == "12345"
+        assert flag(argv, "--host") == "127.0.0.1"
+        assert flag(argv, "--max-model-len") == str(MAX_MODEL_LEN)
+        assert flag(argv, "--tensor-parallel-size") == tp
+        assert json.loads(flag(argv, "--kv-transfer-config")) == kv
+        assert BLOCK_SIZE == 32
+        assert flag(argv, "--block-size") == "32"
+        assert flag(argv, "--kv-cache-memory-bytes") == str(256 * 2**20)
+        assert flag(argv, "--dtype") == "bfloat16"
+        assert "--enforce-eager" in argv
+        assert "--gpu-memory-utilization" not in argv
+        assert ("--disable-hybrid-kv-cache-manager" in argv) is (not hybrid)
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_server_argv_cuda(hybrid):
+    s = Setup("tp1-tp2", Path("org/model"), hybrid=hybrid, consumer_tp=2)
+    for role, tp in (("kv_producer", "1"), ("kv_consumer", "2")):
+        kv = kv_transfer_config(s, role, "cuda")
+        argv = server_argv("py", s, role, 8000, "cuda", kv)
+        assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+        assert flag(argv, "--tensor-parallel-size") == tp
+        assert flag(argv, "--block-size") == "16"
+        assert "--kv-cache-memory-bytes" not in argv and "--enforce-eager" not in argv
+        kv_arg = json.loads(flag(argv, "--kv-transfer-config"))
+        assert "kv_buffer_device" not in kv_arg
+        assert "kv_buffer_device" not in json.dumps(kv_arg)  # nor in the wrapped child
+        assert ("--disable-hybrid-kv-cache-manager" in argv) is (not hybrid)
+
+
+def test_server_env_cuda():
+    env = server_env("cuda", 5600, [2, 3])
+    assert env["VLLM_GPU_SYNC_CHECK"] == "error"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert env["PYTHONPATH"] == str(ROOT)
+    for key in ("OMP_NUM_THREADS", "KVCS_NIXL_PTHR_DELAY_US", "VLLM_CPU_OMP_THREADS_BIND"):
+        assert key not in env
+    assert "CUDA_VISIBLE_DEVICES" not in server_env("cuda", 5600)
+
+
+def test_server_env_cpu():
+    env = server_env("cpu", 5700)
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert env["KVCS_NIXL_PTHR_DELAY_US"] == "500"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
+    path = env["PYTHONPATH"].split(os.pathsep)
+    assert path == [str(CPU_SITE), str(ROOT)]
+    assert (Path(path[0]) / "sitecustomize.py").is_file()
+    assert "VLLM_GPU_SYNC_CHECK" not in env and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_server_specs_cuda_gives_each_server_its_own_gpus(tmp_path):
+    setups = gpu_setups(Path("X"))
+    specs = demo.server_specs(setups, "cuda", tmp_path, "py")
+    assert list(specs) == ["tp1-tp1", "tp2-tp1", "tp1-tp2", "baseline-off"]
+    gpus = {spec.name: spec.env["CUDA_VISIBLE_DEVICES"] for ss in specs.values() for spec in ss}
+    assert gpus == {"tp1-tp1-producer": "0", "tp1-tp1-consumer": "1",
+                    "tp2-tp1-producer": "2,3", "tp2-tp1-consumer": "4",
+                    "tp1-tp2-producer": "5", "tp1-tp2-consumer": "6,7",
+                    "baseline-off-producer": "8", "baseline-off-consumer": "9"}
+    for s in setups:
+        prod, cons = specs[s.name]
+        assert flag(prod.argv, "--tensor-parallel-size") == str(s.producer_tp)
+        assert flag(cons.argv, "--tensor-parallel-size") == str(s.consumer_tp)
+        assert prod.env["PYTHONUNBUFFERED"] == "1" and cons.env["VLLM_GPU_SYNC_CHECK"] == "error"
+        assert s.urls == {"producer": f"http://127.0.0.1:{prod.port}", "consumer": f"http://127.0.0.1:{cons.port}"}
+        assert s.control_path == tmp_path / f"{s.name}.faults.json"
+        assert json.loads(s.control_path.read_text()) == {"kinds": [], "rate": 0.0}
+        assert s.injections_path.read_text() == ""
+        faults = json.loads(flag(cons.argv, "--kv-transfer-config"))["kv_connector_extra_config"][
+            "kv_checksum_faults"]
+        assert faults["control_path"] == str(s.control_path) and faults["log_path"] == str(s.injections_path)
+    ports = [spec.port for ss in specs.values() for spec in ss]
+    assert len(set(ports)) == len(ports)
+
+
+def test_set_faults_writes_the_control_file(tmp_path):
+    s = Setup("x", Path("/m"), control_path=tmp_path / "x.faults.json")
+    demo.set_faults(s, "swap_heads")
+    assert json.loads(s.control_path.read_text()) == {"kinds": ["swap_heads"], "rate": 1.0}
+    demo.set_faults(s, None)
+    assert json.loads(s.control_path.read_text()) == {"kinds": [], "rate": 0.0}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.faults.json"]
+
+
+# ----------------------------------------------------------------- 4. verdict plumbing
+
+METRICS_TEXT = """\
+# TYPE vllm:kv_checksum_loads_verified counter
+vllm:kv_checksum_loads_verified_total{engine="0",model_name="m"} 3.0
+vllm:kv_checksum_loads_verified_total{engine="1",model_name="m"} 2.0
+vllm:kv_checksum_loads_verified_created{engine="0",model_name="m"} 1.7e9
+# TYPE vllm:kv_checksum_loads_unverified counter
+vllm:kv_checksum_loads_unverified_total{engine="0",model_name="m",reason="no_producer_checksums"} 1.0
+vllm:kv_checksum_loads_unverified_total{engine="0",model_name="m",reason="malformed_payload"} 4.0
+# TYPE vllm:kv_checksum_mismatched_blocks counter
+vllm:kv_checksum_mismatched_blocks_total{engine="0",model_name="m"} 6.0
+# TYPE vllm:kv_checksum_checked_bytes gauge
+vllm:kv_checksum_checked_bytes{engine="0",model_name="m"} 99.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+"""
+
+
+def test_checksum_counts_flattens_counters(monkeypatch):
+    monkeypatch.setattr(prom, "scrape", lambda url: prom.parse(METRICS_TEXT))
+    assert checksum_counts("http://unused") == {
+        "loads_verified": 5.0,
+        "loads_unverified/no_producer_checksums": 1.0,
+        "loads_unverified/malformed_payload": 4.0,
+        "mismatched_blocks": 6.0,
+    }
+
+
+def test_diff():
+    after = {"loads_verified": 5.0, "loads_mismatched": 2.0, "mismatched_blocks": 7.0, "new/x": 1.0}
+    before = {"loads_verified": 5.0, "loads_mismatched": 1.0, "mismatched_blocks": 4.0, "gone": 3.0}
+    d = diff(after, before)
+    assert d == {"loads_mismatched": 1, "mismatched_blocks": 3, "new/x": 1}
+    assert all(type(v) is int for v in d.values())
+
+
+def test_loads_in():
+    assert loads_in({}) == 0
+    assert loads_in({"mismatched_blocks": 4}) == 0
+    assert loads_in({"loads_verified": 1, "loads_unverified/no_producer_checksums": 2,
+                     "loads_not_compared/too_short": 1, "mismatched_blocks": 4}) == 4
+
+
+@pytest.mark.parametrize("delta, want", [
+    ({"loads_unverified/no_producer_checksums": 1}, ("unverified", "no_producer_checksums")),
+    ({"loads_verified": 1}, ("verified", None)),
+    ({"mismatched_blocks": 2, "loads_mismatched": 1}, ("mismatch", None)),
+    ({"loads_not_compared/window": 1}, ("not_compared", "window")),
+    ({"mismatched_blocks": 3}, ("no_load", None)),
+    ({"loads_verified": 0}, ("no_load", None)),
+    ({}, ("no_load", None)),
+])
+def test_verdict_of(delta, want):
+    assert verdict_of(delta) == want
+
+
+def test_positions_from_client_error():
+    msg = "kv_checksum_mismatch: KV checksum mismatch for request x (group 0 blocks [1, 3], group 1 blocks [4])"
+    assert positions_from_client_error(msg) == {0: [1, 3], 1: [4]}
+    assert positions_from_client_error("kv_checksum_mismatch: ... (group 2 blocks [7, 0])") == {2: [0, 7]}
+    assert positions_from_client_error("Internal Server Error") == {}
+
+
+LOG_LINES = """\
+(APIServer pid=1) INFO 12-03 01:02:40 [api_server.py:1] Started server process
+(EngineCore pid=1) ERROR 12-03 01:02:41 [scheduler.py:409] KV checksum mismatch for request 'cmpl-demo.llama.flip_bit.000.r-0-11111111': group 0 differs at block positions 2 (1 of 5 compared); failing the load
+(EngineCore pid=1) ERROR 12-03 01:02:51 [scheduler.py:409] KV checksum mismatch for request 'cmpl-demo.llama.flip_bit.001.r-0-afb3b7e8': group 0 differs at block positions 0-2, 4 (4 of 5 compared); group 1 differs at block positions 3 (1 of 3 compared); failing the load
+(APIServer pid=1) INFO 12-03 01:02:52 [logger.py:1] done
+"""
+
+
+def test_positions_from_log(tmp_path):
+    path = tmp_path / "consumer.log"
+    path.write_text(LOG_LINES)
+    assert positions_from_log(path, "demo.llama.flip_bit.001.r") == {0: [0, 1, 2, 4], 1: [3]}
+    assert positions_from_log(path, "demo.llama.flip_bit.000.r") == {0: [2]}
+    assert positions_from_log(path, "demo.llama.flip_bit.002.r") == {}
+    assert positions_from_log(path, "demo.gemma2-hybrid.flip_bit.001.r") == {}
+    assert positions_from_log(tmp_path / "missing.log", "demo.llama.flip_bit.001.r") == {}
+
+
+def test_injections_for(tmp_path):
+    path = tmp_path / "inj.jsonl"
+    recs = [{"request_id": "cmpl-demo.llama.flip_bit.000.r-0-aa", "kind": "flip_bit", "group": 0,
+             "positions": [1]},
+            {"request_id": "cmpl-demo.llama.swap_blocks.000.r-0-bb", "kind": "swap_blocks", "group": 0,
+             "positions": [0, 2]},
+            {"request_id": "cmpl-demo.llama.flip_bit.000.r-1-cc", "kind": "flip_bit", "group": 1,
+             "positions": [3]}]
+    path.write_text("\n".join([json.dumps(recs[0]), "not json {", "", json.dumps(recs[1]),
+                               '{"truncated": ', json.dumps(recs[2]), '{"kind": "no id"}']) + "\n")
+    assert injections_for(path, "demo.llama.flip_bit.000.r") == [recs[0], recs[2]]
+    assert injections_for(path, "demo.llama.swap_blocks.000.r") == [recs[1]]
+    assert injections_for(path, "demo.llama.clean.000.r") == []
+    assert injections_for(None, "demo.llama.flip_bit.000.r") == []
+    assert injections_for(tmp_path / "missing.jsonl", "demo.llama.flip_bit.000.r") == []
+
+
+# ----------------------------------------------------------------- 5. judge
+
+INJ = {"request_id": "cmpl-demo.x.flip_bit.000.r-0-aa", "kind": "flip_bit", "group": 0, "positions": [3, 1],
+       "block_ids": [11, 13], "expect": "mismatch"}
+MISMATCH_ERR = "kv_checksum_mismatch: KV checksum mismatch for request r (group 0 blocks [1, 3])"
+
+
+def result(phase="flip_bit", *, status=200, verdict="mismatch", reason=None, injection=INJ, reported=None,
+           output_equal=True, error="") -> RequestResult:
+    if reported is None:
+        reported = {0: [1, 3]} if verdict == "mismatch" else {}
+    return RequestResult(f"demo.x.{phase}.000.r", phase, status, verdict, reason,
+                         expected_verdict(phase, injection), injection, reported, output_equal, error)
+
+
+def judged(res: RequestResult, policy: str) -> RequestResult:
+    res.ok, res.problem = None, None  # judge must set both
+    judge(res, Setup("x", Path("/m"), policy=policy))
+    return res
+
+
+def test_expected_verdict():
+    assert expected_verdict("clean", None) == "verified"
+    assert expected_verdict("clean", INJ) == "verified"
+    assert expected_verdict("flip_bit", None) == "verified"
+    assert expected_verdict("flip_bit", INJ) == "mismatch"
+    assert expected_verdict("flip_bit", {"kind": "flip_bit"}) == "mismatch"
+    assert expected_verdict("flip_bit", INJ | {"skipped": "no block"}) == "verified"
+    assert expected_verdict("change_tail", {"expect": "verified"}) == "verified"
+    assert expected_verdict("drop_checksums", {"expect": "unverified"}) == "unverified"
+
+
+def test_fail_policy_mismatch_503_at_the_positions_is_ok():
+    r = judged(result(status=503, error=MISMATCH_ERR, output_equal=None), "fail")
+    assert (r.ok, r.problem) == (True, "")
+
+
+def test_fail_policy_wrong_positions_is_a_problem():
+    r = judged(result(status=503, error=MISMATCH_ERR, reported={0: [1]}, output_equal=None), "fail")
+    assert r.ok is False
+    assert r.problem == "reported positions {0: [1]}, injected {0: [1, 3]}"
+    r = judged(result(status=503, error=MISMATCH_ERR, reported={1: [1, 3]}, output_equal=None), "fail")
+    assert r.ok is False and "reported positions" in r.problem
+
+
+def test_fail_policy_served_is_a_problem():
+    r = judged(result(status=200, output_equal=False), "fail")
+    assert r.ok is False
+    assert r.problem.startswith("policy fail: expected an error naming the KV checksum failure, got 200")
+    # An error that does not name the checksum failure is not enough either.
+    r = judged(result(status=500, error="Internal Server Error", output_equal=None), "fail")
+    assert r.ok is False and "policy fail" in r.problem and "Internal Server Error" in r.problem
+
+
+def test_recompute_policy():
+    r = judged(result(status=200, output_equal=True), "recompute")
+    assert (r.ok, r.problem) == (True, "")
+    r = judged(result(status=200, output_equal=False), "recompute")
+    assert (r.ok, r.problem) == (False, "output differs from the single-engine reference")
+    r = judged(result(status=503, error=MISMATCH_ERR, output_equal=None), "recompute")
+    assert r.ok is False and r.problem.startswith("HTTP 503: kv_checksum_mismatch")
+
+
+def test_open_policy():
+    r = judged(result(status=200, output_equal=False), "open")
+    assert (r.ok, r.problem) == (True, "")
+    r = judged(result(status=500, error="boom", output_equal=None), "open")
+    assert (r.ok, r.problem) == (False, "HTTP 500: boom")
+
+
+def test_change_tail_output_not_judged():
+    inj = {"kind": "change_tail", "group": 0, "positions": [4], "expect": "verified"}
+    for policy in ("fail", "recompute", "open"):
+        r = judged(result("change_tail", verdict="verified", injection=inj, output_equal=False), policy)
+        assert (r.ok, r.problem) == (True, ""), policy
+    # ... but its verdict is.
+    r = judged(result("change_tail", verdict="mismatch", injection=inj, output_equal=True), "open")
+    assert r.ok is False and r.problem.startswith("verdict mismatch (None), expected verified")
+
+
+def test_drop_checksums():
+    inj = {"kind": "drop_checksums", "group": None, "positions": None, "expect": "unverified"}
+    kw = dict(verdict="unverified", reason="no_producer_checksums", injection=inj)
+    r = judged(result("drop_checksums", status=503, error="kv_checksum_unverified: no producer checksums",
+                      output_equal=None, **kw), "fail")
+    assert (r.ok, r.problem) == (True, "")
+    for policy in ("recompute", "open"):
+        assert judged(result("drop_checksums", output_equal=True, **kw), policy).ok is True
+        r = judged(result("drop_checksums", output_equal=False, **kw), policy)
+        assert (r.ok, r.problem) == (False, "output differs from the single-engine reference"), policy
+
+
+def test_clean_phase():
+    for policy in ("fail", "recompute", "open"):
+        r = judged(result("clean", verdict="verified", injection=None, output_equal=True), policy)
+        assert (r.ok, r.problem) == (True, ""), policy
+    r = judged(result("clean", verdict="verified", injection=None, output_equal=False), "open")
+    assert (r.ok, r.problem) == (False, "output differs from the single-engine reference")
+    r = judged(result("clean", verdict="mismatch", injection=None, reported={0: [0]}, status=503,
+                      error=MISMATCH_ERR, output_equal=None), "fail")
+    assert r.ok is False and r.problem == "verdict mismatch (None), expected verified"
+
+
+def test_fault_phase_without_injection_record():
+    r = judged(result("flip_bit", verdict="verified", injection=None, output_equal=True), "fail")
+    assert (r.ok, r.problem) == (False, "no injection recorded (rate 1)")
+
+
+# ----------------------------------------------------------------- 6. report and table
+
+E2E_DOC = ROOT / "docs" / "e2e.md"
+TOP_KEYS = ["command", "machine", "wall_s", "mode", "requests_per_phase", "setups", "ttft", "failures", "ok"]
+MACHINE_KEYS = ["platform", "cpus", "device"]
+SETUP_KEYS = ["name", "model", "hybrid_kv_cache_manager", "policy", "fail_closed", "producer_tp", "consumer_tp",
+              "startup_log", "phases", "hostile_client"]
+PHASE_KEYS = ["phase", "requests", "metrics", "false_mismatches", "outputs_equal", "outputs", "http_errors",
+              "injections"]
+INJECTION_KEYS = ["request_id", "kind", "group", "positions", "block_ids", "skipped", "expected", "verdict",
+                  "reason", "reported", "status", "output_equal", "ok", "problem", "timings_ms"]
+HOSTILE_KEYS = ["payload", "status", "error", "verdict", "reason", "next_request_status", "ok"]
+STARTUP_KEYS = ["producer", "consumer"]  # startup_log: each server's lines
+TTFT_KEYS = ["requests_each", "on_p50_ms", "off_p50_ms", "ratio", "on_ms", "off_ms"]
+
+
+def schema_text() -> str:
+    text = E2E_DOC.read_text()
+    m = re.search(r"### report\.json\n.*?```\n(.*?)```", text, re.S)
+    assert m, "docs/e2e.md has no report.json schema block"
+    return m.group(1)
+
+
+def test_schema_lists_the_keys_checked_here():
+    schema = schema_text()
+    for key in TOP_KEYS + SETUP_KEYS + PHASE_KEYS + INJECTION_KEYS + HOSTILE_KEYS + TTFT_KEYS:
+        assert f'"{key}"' in schema, key
+    for key in MACHINE_KEYS:
+        assert re.search(rf'"machine": \{{[^}}]*"{key}"', schema), key
+    # Every key the schema quotes as a key is one the tests check (or a metric / label name).
+    quoted = set(re.findall(r'"([a-z0-9_]+)":', schema))
+    metric_names = {"loads_verified", "loads_mismatched", "mismatched_blocks"}
+    assert quoted - metric_names == set(TOP_KEYS + SETUP_KEYS + PHASE_KEYS + INJECTION_KEYS + HOSTILE_KEYS
+                                        + TTFT_KEYS + STARTUP_KEYS)
+
+
+def report_inputs(*, bad_positions=False, hostile_ok=True):
+    llama = Setup("llama", Path("/m/tiny-llama"), policy="fail")
+    off = Setup("baseline-off", Path("/m/tiny-llama"), policy="open", checksums=False)
+    clean = result("clean", verdict="verified", injection=None, output_equal=True)
+    clean.request_id = "demo.llama.clean.000.r"
+    clean.timings = {"pd_ms": 12.345, "reference_ms": 3.21}
+    fault = result("flip_bit", status=503, error=MISMATCH_ERR, output_equal=None,
+                   reported={0: [1]} if bad_positions else {0: [1, 3]})
+    fault.request_id = "demo.llama.flip_bit.000.r"
+    for r in (clean, fault):
+        judge(r, llama)
+    results = {"llama": [PhaseResult("clean", [clean], {"loads_verified": 1}),
+                         PhaseResult("flip_bit", [fault], {"loads_mismatched": 1, "mismatched_blocks": 2})]}
+    hostile = {"llama": [
+        {"payload": "malformed", "status": 503, "error": "kv_checksum_unverified: malformed",
+         "verdict": "unverified", "reason": "malformed_payload", "next_request_status": 200, "ok": hostile_ok},
+        {"payload": "extreme_values", "status": 503, "error": "kv_checksum_unverified: bounds",
+         "verdict": "unverified", "reason": "layout_mismatch", "next_request_status": 200, "ok": True}]}
+    ttft = {"requests_each": 2, "on_p50_ms": 105.0, "off_p50_ms": 100.0, "ratio": 1.05, "on_ms": [104.0, 106.0],
+            "off_ms": [99.0, 101.0]}
+    startup = {"llama": {"producer": ["KV checksums enabled"], "consumer": ["KV checksums enabled (fail)"]},
+               "baseline-off": {"producer": [], "consumer": []}}
+    args = argparse.Namespace(device="cpu", mode="pull", requests=1)
+    return args, [llama, off], results, hostile, ttft, startup, 12.345
+
+
+def test_build_report_schema_and_values():
+    report = build_report(*report_inputs())
+    json.loads(json.dumps(report))  # serialisable as written
+    assert set(report) == set(TOP_KEYS)
+    assert set(report["machine"]) == set(MACHINE_KEYS)
+    assert report["machine"]["device"] == "cpu" and report["machine"]["cpus"] == os.cpu_count()
+    assert (report["wall_s"], report["mode"], report["requests_per_phase"]) == (12.3, "pull", 1)
+    assert report["failures"] == [] and report["ok"] is True
+    assert report["ttft"]["ratio"] == 1.05 and set(report["ttft"]) == set(TTFT_KEYS)
+
+    assert [s["name"] for s in report["setups"]] == ["llama"]  # a setup without results is left out
+    entry = report["setups"][0]
+    assert set(SETUP_KEYS) <= set(entry)
+    assert (entry["model"], entry["hybrid_kv_cache_manager"], entry["policy"], entry["fail_closed"],
+            entry["producer_tp"], entry["consumer_tp"]) == ("/m/tiny-llama", True, "fail", True, 1, 1)
+    assert entry["startup_log"] == {"producer": ["KV checksums enabled"],
+                                    "consumer": ["KV checksums enabled (fail)"]}
+    assert [h["payload"] for h in entry["hostile_client"]] == ["malformed", "extreme_values"]
+    for h in entry["hostile_client"]:
+        assert set(HOSTILE_KEYS) <= set(h)
+
+    assert [p["phase"] for p in entry["phases"]] == ["clean", "flip_bit"]
+    for p in entry["phases"]:
+        assert set(PHASE_KEYS) <= set(p), p["phase"]
+        for inj in p["injections"]:
+            assert set(INJECTION_KEYS) <= set(inj)
+    clean, fault = entry["phases"]
+    assert {k: clean[k] for k in PHASE_KEYS[1:-1]} == {
+        "requests": 1, "metrics": {"loads_verified": 1}, "false_mismatches": 0, "outputs_equal": 1, "outputs": 1,
+        "http_errors": 0}
+    assert clean["injections"][0]["timings_ms"] == {"pd_ms": 12.3, "reference_ms": 3.2}
+    assert clean["injections"][0]["kind"] is None and clean["injections"][0]["expected"] == "verified"
+    assert {k: fault[k] for k in PHASE_KEYS[1:-1]} == {
+        "requests": 1, "metrics": {"loads_mismatched": 1, "mismatched_blocks": 2}, "false_mismatches": 0,
+        "outputs_equal": 0, "outputs": 0, "http_errors": 1}
+    assert fault["injections"] == [{
+        "request_id": "demo.llama.flip_bit.000.r", "kind": "flip_bit", "group": 0, "positions": [3, 1],
+        "block_ids": [11, 13], "skipped": None, "expected": "mismatch", "verdict": "mismatch", "reason": None,
+        "reported": {"0": [1, 3]}, "status": 503, "output_equal": None, "ok": True, "problem": "",
+        "timings_ms": {}}]
+
+
+def test_build_report_failures():
+    report = build_report(*report_inputs(bad_positions=True))
+    assert report["ok"] is False
+    assert report["failures"] == [
+        "llama/flip_bit/demo.llama.flip_bit.000.r: reported positions {0: [1]}, injected {0: [1, 3]}"]
+    report = build_report(*report_inputs(hostile_ok=False))
+    assert report["ok"] is False
+    assert report["failures"] == ["llama/hostile/malformed: verdict unverified, status 503, next 200"]
+
+
+def table_rows(out: str, setup: str) -> list[list[str]]:
+    return [ln.split() for ln in out.splitlines() if ln.split()[:1] == [setup]]
+
+
+def test_print_table_one_row_per_phase(capsys):
+    print_table(build_report(*report_inputs()))
+    out = capsys.readouterr().out
+    rows = table_rows(out, "llama")
+    phase_rows = [r for r in rows if not r[1].startswith("hostile:")]
+    assert [r[1] for r in phase_rows] == ["clean", "flip_bit"]
+    # setup phase reqs verif mism unver detected false out=ref
+    assert phase_rows[0][:9] == ["llama", "clean", "1", "1", "0", "0", "-", "0", "1/1"]
+    assert phase_rows[1][:9] == ["llama", "flip_bit", "1", "0", "1", "0", "1/1", "0", "0/0"]
+    assert len(rows) - len(phase_rows) == 2  # the two hostile payloads
+    assert "ratio 1.05" in out
+    assert "every check passed" in out and "FAIL" not in out
+
+
+def test_print_table_lists_failures(capsys):
+    print_table(build_report(*report_inputs(bad_positions=True)))
+    out = capsys.readouterr().out
+    rows = [r for r in table_rows(out, "llama") if not r[1].startswith("hostile:")]
+    assert [r[1] for r in rows] == ["clean", "flip_bit"]
+    assert rows[1][6] == "0/1"  # the injection was not reported where it was made
+    assert "1 check(s) FAILED:" in out
+    assert "  FAIL llama/flip_bit/demo.llama.flip_bit.000.r: reported positions" in out
