@@ -143,6 +143,7 @@ def server_env(device: str, side_channel_port: int, gpus: list[int] | None = Non
         # spinning a core per server (cpu_site/sitecustomize.py says why).
         env["PYTHONPATH"] = os.pathsep.join([str(CPU_SITE), str(ROOT)])
         env["KVCS_NIXL_PTHR_DELAY_US"] = "500"
+        env["KVCS_SHM_BUSY_LOOP_S"] = "0.001"
     else:
         env["VLLM_GPU_SYNC_CHECK"] = "error"
         if gpus is not None:

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from kvcs_demo import demo, prom
-from kvcs_demo import setups as setups_mod
 from kvcs_demo.demo import (FAULT_KINDS, PhaseResult, RequestResult, build_report, checksum_counts, choose_setups,
                             diff, expected_verdict, injections_for, judge, loads_in, parse_args,
                             positions_from_client_error, positions_from_log, print_table, verdict_of)

@@ -1,3 +1,4 @@
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -8,14 +9,30 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 
-@pytest.fixture
-def logs(caplog):
-    """The checksum logs, at debug level and up."""
-    logger = logging.getLogger("vllm.kv_checksum")
+@contextlib.contextmanager
+def capture_logger(caplog, name: str):
+    """caplog gets logger `name`'s records, debug level and up, in the block."""
+    logger = logging.getLogger(name)
     logger.addHandler(caplog.handler)  # vLLM's loggers do not propagate to the root
     caplog.handler.setLevel(logging.DEBUG)
     old = logger.level
     logger.setLevel(logging.DEBUG)
-    yield caplog
-    logger.setLevel(old)
-    logger.removeHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.setLevel(old)
+        logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def logs(caplog):
+    """The checksum logs, at debug level and up."""
+    with capture_logger(caplog, "vllm.kv_checksum"):
+        yield caplog
+
+
+@pytest.fixture
+def fault_logs(caplog):
+    """The drill connector's log lines (vllm.kv_checksum.fault), debug level and up."""
+    with capture_logger(caplog, "vllm.kv_checksum.fault"):
+        yield caplog

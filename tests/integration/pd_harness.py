@@ -194,12 +194,14 @@ def stats(side: Side) -> dict:
 
 def make_config(role: str, tp: int, pp: int, block_size: int, *, enable: bool = True, fail_closed: bool = False,
                 policy: str = "fail", connector: str = "NixlConnector",
-                connector_extra: dict | None = None) -> VllmConfig:
-    if connector == "MultiConnector" or (connector_extra or {}).get("connectors"):
+                connector_extra: dict | None = None, connector_module_path: str | None = None) -> VllmConfig:
+    """A real VllmConfig of one side. connector_extra with "connectors" makes
+    it a MultiConnector, unless connector_module_path names another wrapper."""
+    if connector_module_path is None and (connector == "MultiConnector" or (connector_extra or {}).get("connectors")):
         connector = "MultiConnector"
     model_config = ModelConfig(model="facebook/opt-125m", dtype="bfloat16", seed=0, max_model_len=2048)
-    kv = KVTransferConfig(kv_connector=connector, kv_role=role, kv_buffer_device="cpu",
-                          enable_kv_checksum=enable, kv_checksum_fail_closed=fail_closed,
+    kv = KVTransferConfig(kv_connector=connector, kv_connector_module_path=connector_module_path, kv_role=role,
+                          kv_buffer_device="cpu", enable_kv_checksum=enable, kv_checksum_fail_closed=fail_closed,
                           kv_load_failure_policy=policy, kv_connector_extra_config=connector_extra or {})
     return VllmConfig(
         model_config=model_config,

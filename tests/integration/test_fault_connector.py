@@ -24,8 +24,7 @@ import pytest
 import torch
 from kv_setup import build_caches
 from pd_harness import layer_name, make_request, make_side, prefill, prompt_of, run_local, stats
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                         VllmConfig)
+from vllm.config import (VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
                                                                KVConnectorTransferResults, SupportsHMA)
@@ -86,18 +85,9 @@ def fault_config(role: str = "kv_consumer", block_size: int = 16, *, faults_cfg=
     extra = {"connectors": [NIXL] if connectors is None else connectors}
     if faults_cfg is not None:
         extra["kv_checksum_faults"] = faults_cfg
-    kv = KVTransferConfig(kv_connector="KVChecksumFaultConnector",
-                          kv_connector_module_path="vllm_kvchecksum.fault_connector", kv_role=role,
-                          kv_buffer_device="cpu", enable_kv_checksum=enable, kv_checksum_fail_closed=fail_closed,
-                          kv_load_failure_policy=policy, kv_connector_extra_config=extra)
-    return VllmConfig(
-        model_config=ModelConfig(model="facebook/opt-125m", dtype="bfloat16", seed=0, max_model_len=2048),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
-                                         enable_chunked_prefill=True, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                       distributed_executor_backend="mp"),
-        kv_transfer_config=kv, device_config=DeviceConfig("cpu"))
+    return pd_harness.make_config(role, tp, pp, block_size, enable=enable, fail_closed=fail_closed, policy=policy,
+                                  connector="KVChecksumFaultConnector", connector_extra=extra,
+                                  connector_module_path="vllm_kvchecksum.fault_connector")
 
 
 @pytest.fixture
@@ -122,19 +112,6 @@ def create(config, role, kv_cache_config):
 
 def read_records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-@pytest.fixture
-def fault_logs(caplog):
-    """The drill's own log lines (vllm.kv_checksum.fault), WARNING and up."""
-    logger = logging.getLogger(fc.LOGGER_NAME)
-    logger.addHandler(caplog.handler)  # vLLM's loggers do not propagate to the root
-    caplog.handler.setLevel(logging.DEBUG)
-    old = logger.level
-    logger.setLevel(logging.DEBUG)
-    yield caplog
-    logger.setLevel(old)
-    logger.removeHandler(caplog.handler)
 
 
 def drill_records(caplog, level) -> list[logging.LogRecord]:
