@@ -53,10 +53,21 @@ _NORMAL_FINISHES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 KV_CHECKSUM_ERROR_PREFIX = "kv_checksum_"
 
 
+# Block positions named per group in a client's error (and the server's
+# error log line); a long prompt can differ in thousands.
+CLIENT_MAX_POSITIONS = 32
+
+
+def _client_positions(blocks) -> str:
+    shown = list(blocks[:CLIENT_MAX_POSITIONS])
+    more = len(blocks) - len(shown)
+    return f"{shown}" + (f" and {more} more" if more else "")
+
+
 def client_reason(verdict: LoadVerdict) -> str:
     """What a client is told when its request fails a KV checksum check."""
     if verdict.status is CheckStatus.MISMATCH:
-        groups = ", ".join(f"group {g} blocks {list(b)}" for g, b in verdict.mismatched_blocks.items())
+        groups = ", ".join(f"group {g} blocks {_client_positions(b)}" for g, b in verdict.mismatched_blocks.items())
         return f"{KV_CHECKSUM_ERROR_PREFIX}mismatch: the KV loaded from the producer is corrupt ({groups})"
     return f"{KV_CHECKSUM_ERROR_PREFIX}unverified: {', '.join(k.value for k in verdict.reason_keys)}"
 

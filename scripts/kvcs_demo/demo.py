@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -58,9 +59,14 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------- requests
 
 def prompt_of(key: str) -> str:
-    """A prompt unique to `key` (no prefix-cache hit between requests)."""
-    seed = sum(ord(c) * 131 ** i for i, c in enumerate(key)) % 100_003
-    return " ".join(f"w{(seed + i * (seed % 89 + 7)) % 500 + 4}" for i in range(PROMPT_WORDS))
+    """A prompt of its own for `key`: words drawn from sha256(key), so two
+    requests share no first block (no prefix-cache hit between requests)."""
+    words, counter = [], 0
+    while len(words) < PROMPT_WORDS:
+        digest = hashlib.sha256(f"{key}/{counter}".encode()).digest()
+        words += [f"w{int.from_bytes(digest[i:i + 2], 'little') % 500 + 4}" for i in range(0, len(digest), 2)]
+        counter += 1
+    return " ".join(words[:PROMPT_WORDS])
 
 
 def completion(client: httpx.Client, url: str, prompt: str, *, max_tokens: int = OUTPUT_TOKENS,
@@ -92,9 +98,19 @@ def error_of(body: dict) -> str:
 
 # ----------------------------------------------------------------- verdicts
 
-def checksum_counts(url: str) -> dict[str, float]:
-    """The consumer's vllm:kv_checksum_* counters, flattened to "name" / "name/label"."""
-    samples = prom.scrape(url)
+def checksum_counts(url: str, attempts: int = 3) -> dict[str, float]:
+    """The consumer's vllm:kv_checksum_* counters, flattened to "name" / "name/label".
+
+    A scrape that fails is tried again (a busy 2-core machine can miss the
+    timeout once); the last failure is raised.
+    """
+    for attempt in range(attempts):
+        try:
+            samples = prom.scrape(url)
+            break
+        except prom.ScrapeError:
+            if attempt == attempts - 1:
+                raise
     counts: dict[str, float] = {}
     for (name, labels), value in samples.items():
         if not name.startswith(METRIC) or not name.endswith("_total"):
@@ -132,7 +148,7 @@ def wait_for_verdict(url: str, before: dict[str, float]) -> dict[str, int]:
         delta = diff(checksum_counts(url), before)
         if loads_in(delta) >= 1 or time.monotonic() > deadline:
             return delta
-        time.sleep(0.05)
+        time.sleep(0.1)
 
 
 _CLIENT_POSITIONS = re.compile(r"group (\d+) blocks \[([\d, ]*)\]")
@@ -222,6 +238,8 @@ def judge(res: RequestResult, setup: Setup) -> None:
         problems.append("no injection recorded (rate 1)")
     if res.verdict != res.expected:
         problems.append(f"verdict {res.verdict} ({res.reason}), expected {res.expected}")
+    elif res.phase == "drop_checksums" and res.reason != "no_producer_checksums":
+        problems.append(f"unverified for {res.reason}, expected no_producer_checksums")
     if res.expected == "mismatch" and res.injection is not None:
         want = {int(res.injection["group"]): sorted(res.injection["positions"])}
         if res.reported != want:
@@ -308,6 +326,14 @@ def run_setup(setup: Setup, proxy: str, kinds: list[str], n: int, out: dict, err
         errors[setup.name] = f"{type(exc).__name__}: {exc}"
         return
     out[setup.name] = phases
+    try:
+        _run_phases(setup, proxy, kinds, n, phases)
+    except Exception as exc:  # reported as a failure of the setup, never a silent pass
+        errors[setup.name] = f"{type(exc).__name__}: {exc}"
+        log(f"[{setup.name}] stopped: {errors[setup.name]}")
+
+
+def _run_phases(setup: Setup, proxy: str, kinds: list[str], n: int, phases: list) -> None:
     with httpx.Client(trust_env=False) as client:
         for phase in ["clean", *kinds]:
             set_faults(setup, None if phase == "clean" else phase)
@@ -450,14 +476,19 @@ def startup_lines(setup: Setup) -> dict[str, list[str]]:
 
 # ----------------------------------------------------------------- report
 
-def build_report(args, setups, results, hostile, ttft, startup, wall) -> dict:
+def build_report(args, setups, results, hostile, ttft, startup, wall, errors=None) -> dict:
     report = {"command": " ".join(sys.argv), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                                          "device": args.device},
               "wall_s": round(wall, 1), "mode": args.mode, "requests_per_phase": args.requests, "setups": []}
-    failures = []
+    failures = [f"{name}: {err}" for name, err in (errors or {}).items()]
     for s in setups:
+        if s.checksums and s.name not in results:
+            failures.append(f"{s.name}: no phase ran")
         if s.name not in results:
             continue
+        ran = [ph.phase for ph in results[s.name]]
+        if ran != ["clean", *args.kinds]:
+            failures.append(f"{s.name}: phases {ran} ran, not every one of clean + {args.kinds}")
         entry = {"name": s.name, "model": str(s.model), "hybrid_kv_cache_manager": s.hybrid, "policy": s.policy,
                  "fail_closed": s.fail_closed, "producer_tp": s.producer_tp, "consumer_tp": s.consumer_tp,
                  "startup_log": startup.get(s.name, {}), "phases": []}
@@ -584,9 +615,12 @@ def main(argv=None) -> int:
     setups = choose_setups(args)
     work = args.out
     work.mkdir(parents=True, exist_ok=True)
-    for old in work.glob("*"):
-        if old.is_file():
-            old.unlink()
+    # Only the demo's own files of an earlier run: --out may name any directory.
+    for pattern in ("report.json", "process_groups.json", "*.log", "*.faults.json", "*.faults.tmp",
+                    "*.injections.jsonl"):
+        for old in work.glob(pattern):
+            if old.is_file():
+                old.unlink()
     checked = [s for s in setups if s.checksums]
     if not checked:
         raise SystemExit("no setup with checksums on was chosen (--setups); nothing to show")
@@ -620,11 +654,13 @@ def main(argv=None) -> int:
         # Every process group the demo started, for checks that none outlives it.
         (work / "process_groups.json").write_text(json.dumps(
             {m.name: m.pgid for ms in servers.values() for m in ms} | {proxy_server.name: proxy_server.pgid}))
-        if errors:
-            raise SystemExit("servers failed to start:\n" + "\n".join(f"{k}: {v}" for k, v in errors.items()))
         if not args.no_hostile:
-            target = next((s for s in checked if s.fail_closed), checked[0])
-            hostile[target.name] = run_hostile(target, proxy)
+            target = next((s for s in checked if s.fail_closed and s.name not in errors), None)
+            if target is not None:
+                try:
+                    hostile[target.name] = run_hostile(target, proxy)
+                except Exception as exc:
+                    errors[f"{target.name}/hostile"] = f"{type(exc).__name__}: {exc}"
         if off is not None:
             # Checksums on vs off on the same model and layout, and nothing
             # else running: the other pairs are stopped first.
@@ -635,12 +671,12 @@ def main(argv=None) -> int:
                     for m in servers[s.name]:
                         group.stop(m)
             wait_ready(group, servers[off.name], off, t0)
-            if on is not None:
+            if on is not None and on.name not in errors:
                 ttft = measure_ttft(on, off, proxy, args.ttft_requests)
             else:
                 log("TTFT: no chosen setup matches the baseline's model and layout; not measured")
         startup = {s.name: startup_lines(s) for s in setups}
-    report = build_report(args, setups, results, hostile, ttft, startup, time.monotonic() - t0)
+    report = build_report(args, setups, results, hostile, ttft, startup, time.monotonic() - t0, errors)
     (work / "report.json").write_text(json.dumps(report, indent=2))
     print_table(report)
     log(f"report: {work / 'report.json'}")

@@ -622,7 +622,7 @@ def report_inputs(*, bad_positions=False, hostile_ok=True):
             "off_ms": [99.0, 101.0]}
     startup = {"llama": {"producer": ["KV checksums enabled"], "consumer": ["KV checksums enabled (fail)"]},
                "baseline-off": {"producer": [], "consumer": []}}
-    args = argparse.Namespace(device="cpu", mode="pull", requests=1)
+    args = argparse.Namespace(device="cpu", mode="pull", requests=1, kinds=["flip_bit"])
     return args, [llama, off], results, hostile, ttft, startup, 12.345
 
 
@@ -704,3 +704,33 @@ def test_print_table_lists_failures(capsys):
     assert rows[1][6] == "0/1"  # the injection was not reported where it was made
     assert "1 check(s) FAILED:" in out
     assert "  FAIL llama/flip_bit/demo.llama.flip_bit.000.r: reported positions" in out
+
+
+def test_build_report_fails_a_setup_that_stopped_or_never_ran():
+    args, setups, results, hostile, ttft, startup, wall = report_inputs()
+    args.kinds = ["flip_bit", "swap_blocks"]  # swap_blocks never ran
+    report = build_report(args, setups, results, hostile, ttft, startup, wall,
+                          {"llama": "ScrapeError: /metrics timed out"})
+    assert not report["ok"]
+    assert "llama: ScrapeError: /metrics timed out" in report["failures"]
+    assert any("phases ['clean', 'flip_bit'] ran" in f for f in report["failures"])
+    missing = Setup("gemma2-merged", Path("/m/g"), policy="open")
+    report = build_report(args, [*setups, missing], results, hostile, ttft, startup, wall)
+    assert "gemma2-merged: no phase ran" in report["failures"]
+
+
+def test_prompts_differ_in_their_first_block():
+    keys = [f"demo.{s}.{k}.{i:03d}.r" for s in ("llama", "gemma2-hybrid") for k in FAULT_KINDS for i in range(40)]
+    firsts = {tuple(demo.prompt_of(k).split()[:32]) for k in keys}
+    assert len(firsts) == len(keys)
+
+
+def test_out_dir_keeps_files_that_are_not_the_demos(tmp_path, monkeypatch):
+    keep = tmp_path / "Makefile"
+    keep.write_text("x")
+    old = tmp_path / "llama.consumer.log"
+    old.write_text("old run")
+    monkeypatch.setattr(demo, "choose_setups", lambda args: [])
+    with pytest.raises(SystemExit):
+        demo.main(["--out", str(tmp_path)])
+    assert keep.exists() and not old.exists()

@@ -37,12 +37,24 @@ def total(metrics: dict, name: str) -> int:
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "scripts"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "kvcs_demo", "--requests", "1", "--ttft-requests", "3",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    print(proc.stdout[-6000:])
-    print(proc.stderr[-3000:], file=sys.stderr)
+    proc = subprocess.Popen([sys.executable, "-m", "kvcs_demo", "--requests", "1", "--ttft-requests", "3",
+                             "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=1800)
+    except BaseException:
+        # SIGTERM, not SIGKILL: the demo then stops every server it started
+        # (they run in process groups of their own and would outlive a kill).
+        proc.terminate()
+        try:
+            proc.communicate(timeout=90)
+        finally:
+            proc.kill()
+        raise
+    print(stdout[-6000:])
+    print(stderr[-3000:], file=sys.stderr)
     report_path = out / "report.json"
-    assert report_path.exists(), f"no report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert report_path.exists(), f"no report (exit {proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}"
     return proc, json.loads(report_path.read_text()), out
 
 

@@ -36,3 +36,16 @@ def test_other_errors_stay_internal():
 def test_no_error_no_raise():
     OpenAIServingCompletion._raise_if_error(None, "stop", "cmpl-1", REASON)
     OpenAIServingCompletion._raise_if_error(None, "length", "cmpl-1", None)
+
+
+def test_the_reason_names_at_most_32_positions_per_group():
+    from vllm_kvchecksum.compare import CheckStatus, GroupVerdict, LoadVerdict
+    from vllm_kvchecksum.scheduler import client_reason
+
+    verdict = LoadVerdict("r", CheckStatus.MISMATCH, groups={
+        0: GroupVerdict(0, CheckStatus.MISMATCH, tuple(range(5000)), 5000),
+        1: GroupVerdict(1, CheckStatus.MISMATCH, (3, 7), 10)})
+    reason = client_reason(verdict)
+    assert reason.startswith("kv_checksum_mismatch: ")
+    assert f"group 0 blocks {list(range(32))} and 4968 more" in reason
+    assert "group 1 blocks [3, 7])" in reason and len(reason) < 400
