@@ -368,10 +368,13 @@ class ReportingConnector:
         return _Reporting(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
 
 
-def runner_step(side: Side, runner: str, finished_recving=frozenset()):
+def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connector=None):
     """Like Side.step, with each worker's output made by a model runner's own
     connector path without a forward: "v1" (KVConnectorModelRunnerMixin,
-    also the CPU backend's) or "v2" (ActiveKVConnector)."""
+    also the CPU backend's) or "v2" (ActiveKVConnector).
+
+    connector: the workers' KV connector, used as it is; by default a
+    ReportingConnector per worker that reports `finished_recving`."""
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
@@ -379,9 +382,11 @@ def runner_step(side: Side, runner: str, finished_recving=frozenset()):
     out = side.scheduler.schedule()
     runner_outputs = []
     for w in side.workers:
-        connector = ReportingConnector(side.scheduler.vllm_config, side.scheduler.kv_cache_config)
-        connector.finished = set(finished_recving)
-        kv_transfer_state._KV_CONNECTOR_AGENT = connector
+        worker_connector = connector
+        if worker_connector is None:
+            worker_connector = ReportingConnector(side.scheduler.vllm_config, side.scheduler.kv_cache_config)
+            worker_connector.finished = set(finished_recving)
+        kv_transfer_state._KV_CONNECTOR_AGENT = worker_connector
         try:
             if runner == "v1":
                 result = KVConnectorModelRunnerMixin.kv_connector_no_forward(

@@ -13,7 +13,6 @@ path, so the fault lands between the load and the checksum as in vLLM.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import random
@@ -671,25 +670,10 @@ def test_only_tp_rank_zero_of_stage_zero_injects(worker, monkeypatch, tmp_path):
 def runner_step(C, conn, finished=()):
     """One consumer engine step with the worker half in vLLM's V1 model-runner
     connector path (KVConnectorModelRunnerMixin, no forward): bind the
-    metadata, get_transfer_results, then checksum_step, in vLLM's order."""
-    from vllm.distributed.kv_transfer import kv_transfer_state
-    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
-
-    out = C.scheduler.schedule()
+    metadata, get_transfer_results, then checksum_step, in vLLM's order.
+    `conn`'s stand-in child reports `finished` as loaded."""
     conn.sub_connectors[0].finished = set(finished)
-    kv_transfer_state._KV_CONNECTOR_AGENT = conn
-    try:
-        result = KVConnectorModelRunnerMixin.kv_connector_no_forward(out, C.scheduler.vllm_config,
-                                                                      C.workers[0].checksums)
-    finally:
-        kv_transfer_state._KV_CONNECTOR_AGENT = None
-    result = copy.copy(result)
-    reqs = list(out.num_scheduled_tokens)
-    result.req_ids, result.req_id_to_index = reqs, {r: i for i, r in enumerate(reqs)}
-    result.sampled_token_ids = C.sampled_tokens(reqs)
-    merged = C.aggregator.aggregate([result], 0)
-    engine_outputs = C.scheduler.update_from_output(out, merged)
-    return out, {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}
+    return pd_harness.runner_step(C, "v1", connector=conn)
 
 
 @pytest.fixture

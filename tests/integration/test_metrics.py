@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import prometheus_client
 import pytest
-from pd_harness import load, make_config, make_side, prefill, prompt_of
+from pd_harness import load, make_config, make_request, make_side, prefill, prompt_of
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.stats import SchedulerStats
 
@@ -53,27 +53,26 @@ def test_counts_of_each_verdict_reach_scheduler_stats():
         metrics.labelled(metrics.UNVERIFIED, UnverifiedReason.NO_PRODUCER_CHECKSUMS.value): 1}
 
 
-def test_a_load_the_connector_failed_is_counted_not_compared():
+def start_load(seed: int):
+    """A consumer whose load of a producer request started (counts taken)."""
     producer, consumer = make_side("kv_producer", block_size=BS), make_side("kv_consumer", block_size=BS)
-    preq, params = prefill(producer, prompt_of(40, seed=4))
-    from pd_harness import make_request
+    preq, params = prefill(producer, prompt_of(40, seed=seed))
     req = make_request(preq.prompt_token_ids, params=dict(params), block_size=BS)
     consumer.scheduler.add_request(req)
     consumer.step()
     taken(consumer)
+    return consumer, req
+
+
+def test_a_load_the_connector_failed_is_counted_not_compared():
+    consumer, req = start_load(seed=4)
     consumer.step(finished_recving={req.request_id}, failed_recving={req.request_id})
     assert taken(consumer) == {metrics.labelled(metrics.NOT_COMPARED, "load_failed"): 1}
     assert consumer.scheduler.kv_checksum._recvs == {}
 
 
 def test_a_request_ended_before_its_load_finished_is_counted_not_compared():
-    producer, consumer = make_side("kv_producer", block_size=BS), make_side("kv_consumer", block_size=BS)
-    preq, params = prefill(producer, prompt_of(40, seed=5))
-    from pd_harness import make_request
-    req = make_request(preq.prompt_token_ids, params=dict(params), block_size=BS)
-    consumer.scheduler.add_request(req)
-    consumer.step()
-    taken(consumer)
+    consumer, req = start_load(seed=5)
     consumer.scheduler.finish_requests(req.request_id, type(req.status).FINISHED_ABORTED)
     consumer.step()
     assert taken(consumer) == {metrics.labelled(metrics.NOT_COMPARED, "request_ended"): 1}
