@@ -350,6 +350,9 @@ def describe_record(record: Mapping[str, Any]) -> str:
     rid, kind = record["request_id"], record["kind"]
     if record["skipped"] is not None:
         return f"KV checksum drill: skipped {kind} for request {rid}: {record['skipped']}"
+    if kind == DROP_CHECKSUMS and record["side"] == "worker":
+        return (f"KV checksum drill: injected {kind} into request {rid}: the workers dropped the KV checksums "
+                f"their connector delivered with the load; expect {record['expect']}")
     if kind == DROP_CHECKSUMS:
         return (f"KV checksum drill: injected {kind} into request {rid}: removed {KV_TRANSFER_PARAMS_KEY!r} from "
                 f"its kv_transfer_params; expect {record['expect']}")
@@ -453,6 +456,9 @@ class KVChecksumFaultConnector(MultiConnector):
         self._layouts: list[GroupLayout] | None = None
         # Worker side.
         self._plans: dict[str, FaultPlan] = {}
+        # Loads whose connector-delivered checksums this worker dropped
+        # (drop_checksums), until the load finishes.
+        self._dropped: set[str] = set()
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._ranks: tuple[int, int] = (0, 0)
         self._layers: dict[int, list[str]] = {}
@@ -510,9 +516,11 @@ class KVChecksumFaultConnector(MultiConnector):
             decision = self._decider.decide()
             if decision is None:
                 return
-            if decision.kind == DROP_CHECKSUMS:
+            if decision.kind == DROP_CHECKSUMS and not self._carried_by_connector(request):
                 self._drop_checksums(request)
             else:
+                # drop_checksums of a connector-owned carrier: the workers
+                # drop what their connector delivers (a plan like the others).
                 self._decided[request.request_id] = _PendingPlan(request, decision, num_external_tokens)
         except Exception:
             # A drill must never take the engine down.
@@ -534,6 +542,11 @@ class KVChecksumFaultConnector(MultiConnector):
             request.kv_transfer_params = {k: v for k, v in params.items() if k != KV_TRANSFER_PARAMS_KEY}
         self._write(injection_record(request_id=request.request_id, kind=DROP_CHECKSUMS, side="scheduler",
                                      skipped=skipped, now=time.time(), pid=os.getpid()))
+
+    def _carried_by_connector(self, request: Request) -> bool:
+        from vllm_kvchecksum.carrier import KVChecksumCarrier
+
+        return self.kv_checksum_carrier(request, True) is KVChecksumCarrier.CONNECTOR
 
     def _unchecked_reason(self, request: Request) -> str | None:
         """Why the checksums give this load no verdict, or None.
@@ -644,9 +657,11 @@ class KVChecksumFaultConnector(MultiConnector):
 
         Called by the model runner before each step's forward.
         """
-        if isinstance(connector_metadata, FaultConnectorMetadata) and connector_metadata.fault_plans \
-                and self.injects:
-            self._plans.update(connector_metadata.fault_plans)
+        if isinstance(connector_metadata, FaultConnectorMetadata) and connector_metadata.fault_plans:
+            # Every worker drops the checksums its connector delivers (any
+            # one copy reaches the scheduler); one worker injects the rest.
+            self._plans.update({rid: plan for rid, plan in connector_metadata.fault_plans.items()
+                                if self.injects or plan.kind == DROP_CHECKSUMS})
         super().bind_connector_metadata(connector_metadata)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -664,13 +679,21 @@ class KVChecksumFaultConnector(MultiConnector):
         results = super().get_transfer_results(finished_req_ids)
         try:
             # Plans of ended requests go first: their blocks may be reused.
-            for req_id in finished_req_ids or ():
+            for req_id in (finished_req_ids or set()) | results.failed_recving:
                 self._plans.pop(req_id, None)
-            for req_id in results.failed_recving:
-                self._plans.pop(req_id, None)
+                self._dropped.discard(req_id)
+            for req_id in list(results.kv_checksums):
+                plan = self._plans.get(req_id)
+                if plan is not None and plan.kind == DROP_CHECKSUMS:
+                    del results.kv_checksums[req_id]
+                    self._dropped.add(req_id)
             for req_id in sorted(results.finished_recving):
                 plan = self._plans.pop(req_id, None)
-                if plan is not None:
+                if plan is None:
+                    continue
+                if plan.kind == DROP_CHECKSUMS:
+                    self._record_drop(req_id)
+                else:
                     self._inject(req_id, plan)
         except Exception:
             logger.exception("KV checksum drill: handling finished loads failed; no fault injected.")
@@ -723,6 +746,15 @@ class KVChecksumFaultConnector(MultiConnector):
                 self._recent.append((req_id, group, tuple(plan.groups[group][1])))
         for injection in injected:
             self._write(self._record(req_id, plan.kind, group, injection))
+
+    def _record_drop(self, req_id: str) -> None:
+        """drop_checksums of a connector-owned carrier, on its load's finish:
+        recorded once (by TP rank 0 of PP stage 0)."""
+        dropped = req_id in self._dropped
+        self._dropped.discard(req_id)
+        if self._ranks == (0, 0):
+            self._write(self._record(req_id, DROP_CHECKSUMS, None, None, skipped=None if dropped else
+                                     "the wrapped connector delivered no KV checksums with this load"))
 
     def _record(self, req_id, kind, group, injection, skipped=None) -> dict[str, Any]:
         return injection_record(request_id=req_id, kind=kind, side="worker", group=group, injection=injection,

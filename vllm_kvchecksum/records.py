@@ -134,6 +134,11 @@ class KVChecksumOutput:
         self._pending = []
         return self._records
 
+    def add_received(self, received: dict[str, bytes]) -> None:
+        """Add payloads a connector delivered to this worker to its (first) record."""
+        if received:
+            self._records[0].received.update(received)
+
     @property
     def records(self) -> list[KVChecksumRecord]:
         return self.finalize()

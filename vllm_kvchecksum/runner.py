@@ -77,7 +77,7 @@ def create_kv_checksum_worker(vllm_config: VllmConfig, kv_cache_config: KVCacheC
 
 def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumScheduled | None,
                   finished_recving: set[str] | None, *, sends: bool = True,
-                  recvs: bool = True) -> KVChecksumOutput | None:
+                  recvs: bool = True, received: dict[str, bytes] | None = None) -> KVChecksumOutput | None:
     """Queue this step's checksums; call after the step's forward, once per
     scheduler output, in order (scheduled may be None: nothing new).
 
@@ -87,6 +87,8 @@ def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumSchedule
       and checksum those that this worker's connector reports finished in
       this step (`finished_recving`). Pass recvs=False on a second call for
       the same scheduler output, so its loads are not added again.
+    received: the checksums this worker's connector delivered with its loads
+      (KVConnectorTransferResults.kv_checksums; connector-owned carriers).
     """
     if worker is None:
         return None
@@ -94,12 +96,12 @@ def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumSchedule
     if sends and scheduled is not None and scheduled.reqs_to_send:
         outputs.append(worker.compute(scheduled.reqs_to_send, replica_zero_only=True))
     if recvs:
-        outputs.append(_step_loads(worker, scheduled, finished_recving))
+        outputs.append(_step_loads(worker, scheduled, finished_recving, received))
     return KVChecksumOutput.aggregate(outputs)
 
 
 def _step_loads(worker: KVChecksumWorker, scheduled: KVChecksumScheduled | None,
-                finished_recving: set[str] | None) -> KVChecksumOutput | None:
+                finished_recving: set[str] | None, received: dict[str, bytes] | None) -> KVChecksumOutput | None:
     """Forget, then add, then checksum the finished loads.
 
     Forget before add: a request id in both had its old load dropped by the
@@ -109,6 +111,6 @@ def _step_loads(worker: KVChecksumWorker, scheduled: KVChecksumScheduled | None,
     if scheduled is not None:
         worker.forget_loads(scheduled.reqs_to_forget)
         worker.expect_loads(scheduled.reqs_to_recv)
-    if not finished_recving:
+    if not finished_recving and not received:
         return None
-    return worker.compute_finished_loads(finished_recving)
+    return worker.compute_finished_loads(finished_recving or (), received)

@@ -10,8 +10,9 @@ KV load, so kv_load_failure_policy applies.
 Producer: add_send (the step whose scheduled tokens cross the prompt),
 collect (top of update_from_output), request_finished (the payload to
 return in kv_transfer_params, or to hand to a connector-owned carrier).
-Consumer: add_recv (an async load starts), collect, verify_finished_loads
-(the aggregated finished_recving of the step).
+Consumer: add_recv (an async load starts), collect (also takes the
+checksums a connector-owned carrier delivered to the workers),
+verify_finished_loads (the aggregated finished_recving of the step).
 
 Each step's SchedulerOutput carries only what changed (build_checksum_meta):
 a load's blocks go to the workers once, in the step it starts, and each
@@ -155,6 +156,8 @@ class _Pending:
     # Consumer only: the producer's checksums, or why there are none.
     expected: KVChecksumPayload | None = None
     missing_reason: str = ""
+    # Consumer, connector-owned carrier: no copy of the checksums received yet.
+    awaiting_connector: bool = False
 
 
 class KVChecksumScheduler:
@@ -239,26 +242,43 @@ class KVChecksumScheduler:
         blocks = KVChecksumBlocks(num_tokens, request_blocks(block_ids, self.layouts, num_local_tokens,
                                                              num_tokens, self.null_block_id))
         pending = _Pending(blocks)
-        text = (request.kv_transfer_params or {}).get(KV_TRANSFER_PARAMS_KEY)
-        if text is None:
-            pending.missing_reason = "the producer sent no KV checksums (is enable_kv_checksum set there?)"
+        if self.connector.kv_checksum_carrier(request, True) is KVChecksumCarrier.CONNECTOR:
+            # The connector delivers them to the workers with the load (collect).
+            pending.awaiting_connector = True
+            pending.missing_reason = ("the connector delivered no KV checksums with the load (is "
+                                      "enable_kv_checksum set on the producer, and is it the same version?)")
         else:
-            try:
-                pending.expected = KVChecksumPayload.decode(text)
-            except ValueError as exc:
-                pending.missing_reason = f"the producer's KV checksums are invalid: {exc}"
-            except Exception as exc:
-                # The decoder raises only ValueError by design; anything else is
-                # a bug, and must not escape Scheduler.schedule() and stop the engine.
-                logger.exception("Decoding the KV checksums of request %s raised %s; the load will be "
-                                 "unverified. Please report this with the request's kv_transfer_params.",
-                                 request.request_id, type(exc).__name__)
-                pending.missing_reason = (f"the producer's KV checksums could not be decoded "
-                                          f"({type(exc).__name__}: {exc})")
+            text = (request.kv_transfer_params or {}).get(KV_TRANSFER_PARAMS_KEY)
+            if text is None:
+                pending.missing_reason = "the producer sent no KV checksums (is enable_kv_checksum set there?)"
+            else:
+                self._decode_expected(pending, request.request_id, text, "kv_transfer_params")
         self._recvs[request.request_id] = pending
         # Sent once, in this step: each worker keeps the blocks until its own
         # connector reports the load finished or the scheduler forgets it.
         self._step.reqs_to_recv[request.request_id] = blocks
+
+    @staticmethod
+    def _decode_expected(pending: _Pending, req_id: str, data, source: str) -> None:
+        """Decode the producer's checksums of a load into `pending` (or say why not).
+
+        `data` is untrusted (a client's kv_transfer_params, or bytes another
+        host sent through the connector): the decoder's own limits bound its
+        work, and nothing it raises escapes into the engine loop.
+        """
+        try:
+            pending.expected = (KVChecksumPayload.from_bytes(data) if isinstance(data, (bytes, bytearray))
+                                else KVChecksumPayload.decode(data))
+        except ValueError as exc:
+            pending.missing_reason = f"the producer's KV checksums ({source}) are invalid: {exc}"
+        except Exception as exc:
+            # The decoder raises only ValueError by design; anything else is
+            # a bug, and must not escape the scheduler and stop the engine.
+            logger.exception("Decoding the KV checksums of request %s (%s) raised %s; the load will be "
+                             "unverified. Please report this with the request's %s.",
+                             req_id, source, type(exc).__name__, source)
+            pending.missing_reason = (f"the producer's KV checksums ({source}) could not be decoded "
+                                      f"({type(exc).__name__}: {exc})")
 
     def build_checksum_meta(self) -> KVChecksumScheduled | None:
         """This step's news for the workers, or None; resets the step's state.
@@ -279,6 +299,13 @@ class KVChecksumScheduler:
                 pending = self._sends.get(rid) or self._recvs.get(rid)
                 if pending is not None:
                     pending.records.append(record)
+            for rid, data in record.received.items():
+                # Connector-owned carriers: several workers (or producer
+                # ranks) deliver the same bytes; the first copy is kept.
+                pending = self._recvs.get(rid)
+                if pending is not None and pending.awaiting_connector:
+                    pending.awaiting_connector = False
+                    self._decode_expected(pending, rid, bytes(data), "connector message")
 
     # -- producer ----------------------------------------------------------
 
@@ -297,12 +324,9 @@ class KVChecksumScheduler:
         if pending is None or request.status.name not in _NORMAL_FINISHES:
             return kv_transfer_params
         carrier = self.connector.kv_checksum_carrier(request, False)
-        if carrier is not KVChecksumCarrier.KV_TRANSFER_PARAMS or kv_transfer_params is None:
-            self.stats["not_carried"] += 1
-            self._metrics[metrics.labelled(metrics.NOT_SENT, "not_carried")] += 1
-            logger.debug("KV checksums of request %s are not sent: its connector carries nothing for it "
-                         "(carrier %s, kv_transfer_params %s).", request.request_id,
-                         getattr(carrier, "value", carrier), "absent" if kv_transfer_params is None else "present")
+        in_params = carrier is KVChecksumCarrier.KV_TRANSFER_PARAMS and kv_transfer_params is not None
+        if not in_params and carrier is not KVChecksumCarrier.CONNECTOR:
+            self._not_carried(request.request_id, carrier, kv_transfer_params)
             return kv_transfer_params
         scheduled = {g: (b.start, len(b.block_ids)) for g, b in pending.blocks.groups.items()}
         result = sum_producer(pending.records, request.request_id, self.num_workers, scheduled,
@@ -312,9 +336,22 @@ class KVChecksumScheduler:
             self._metrics[metrics.labelled(metrics.NOT_SENT, "sum_failed")] += 1
             logger.warning("KV checksums of request %s are not sent: %s", request.request_id, result.reason)
             return kv_transfer_params
+        if in_params:
+            kv_transfer_params = {**kv_transfer_params, KV_TRANSFER_PARAMS_KEY: result.payload.encode()}
+        elif not self.connector.send_kv_checksums(request, result.payload.to_bytes()):
+            # E.g. nothing of the request is pushed (no blocks to send).
+            self._not_carried(request.request_id, carrier, kv_transfer_params)
+            return kv_transfer_params
         self.stats["sent"] += 1
         self._metrics[metrics.SENT] += 1
-        return {**kv_transfer_params, KV_TRANSFER_PARAMS_KEY: result.payload.encode()}
+        return kv_transfer_params
+
+    def _not_carried(self, req_id: str, carrier, kv_transfer_params) -> None:
+        self.stats["not_carried"] += 1
+        self._metrics[metrics.labelled(metrics.NOT_SENT, "not_carried")] += 1
+        logger.debug("KV checksums of request %s are not sent: its connector carries nothing for it "
+                     "(carrier %s, kv_transfer_params %s).", req_id,
+                     getattr(carrier, "value", carrier), "absent" if kv_transfer_params is None else "present")
 
     # -- consumer ----------------------------------------------------------
 

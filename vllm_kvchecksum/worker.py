@@ -89,14 +89,29 @@ class KVChecksumWorker:
         """Keep the blocks of loads that start in this step until they finish here."""
         self._pending_recvs.update(reqs)
 
-    def compute_finished_loads(self, finished_recving) -> KVChecksumOutput | None:
+    def compute_finished_loads(self, finished_recving, received: Mapping[str, bytes] | None = None
+                               ) -> KVChecksumOutput | None:
         """Queue the checksums of the pending loads this worker's connector
-        reports finished, and drop them; None if none of them is pending
-        (a load whose request was forgotten is not checksummed)."""
-        loaded = {rid: self._pending_recvs.pop(rid) for rid in finished_recving if rid in self._pending_recvs}
-        if not loaded:
+        reports finished, and drop them; None if there is nothing to report
+        (a load whose request was forgotten is not checksummed).
+
+        received: the producer's checksums a connector-owned carrier
+        delivered to this worker, by request id. Those of pending loads go in
+        the record (KVChecksumRecord.received), for the scheduler to compare
+        with; others are dropped, so what is kept follows this worker's own
+        table, not what another host sent.
+        """
+        kept = {rid: bytes(data) for rid, data in (received or {}).items()
+                if rid in self._pending_recvs and isinstance(data, (bytes, bytearray))}
+        loaded = {rid: self._pending_recvs.pop(rid) for rid in finished_recving or () if rid in self._pending_recvs}
+        if loaded:
+            output = self.compute(loaded, replica_zero_only=False)
+        elif kept:
+            output = KVChecksumOutput([self.new_record()])
+        else:
             return None
-        return self.compute(loaded, replica_zero_only=False)
+        output.add_received(kept)
+        return output
 
     @property
     def pending_load_ids(self) -> frozenset[str]:

@@ -3,7 +3,8 @@
     .venv/bin/python -m kvcs_demo            (with scripts/ on PYTHONPATH; `make demo` does this)
 
 Starts real OpenAI-compatible vLLM servers of the patched tree (producers and
-consumers over NixlConnector, UCX on loopback on CPU) and the project's own
+consumers over NIXL: NixlConnector, or NixlPushConnector with --mode push;
+UCX on loopback on CPU) and the project's own
 P/D proxy, each a separate process in its own process group; waits on their
 health endpoints; then, per setup (see setups.py), runs a clean phase and one
 phase per fault kind, with the consumer's fault-injecting connector
@@ -39,7 +40,7 @@ import httpx
 from kvcs_demo import prom
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_transfer_config, make_models,
-                              server_argv, server_env)
+                              push_target, server_argv, server_env)
 
 FAULT_KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
                "misplace_block", "change_tail", "drop_checksums")
@@ -450,6 +451,7 @@ def server_specs(setups: list[Setup], device: str, work: Path, python: str) -> d
             gpu += tp if device == "cuda" else 0
             s.logs[side] = work / f"{s.name}.{side}.log"
             s.urls[side] = f"http://127.0.0.1:{port}"
+            s.side_ports[side] = side_port
             specs.setdefault(s.name, []).append(ServerSpec(
                 f"{s.name}-{side}", server_argv(python, s, role, port, device, kv),
                 server_env(device, side_port, gpus) | {"PYTHONUNBUFFERED": "1"}, port, s.logs[side]))
@@ -459,6 +461,10 @@ def server_specs(setups: list[Setup], device: str, work: Path, python: str) -> d
 def start_proxy(group: ProcessGroup, setups: list[Setup], work: Path, python: str):
     port = free_port_block(1)
     pairs = [f"--pair={s.name}={s.urls['producer']},{s.urls['consumer']}" for s in setups]
+    if any(s.mode == "push" for s in setups):
+        # Both legs at once; the consumer leg carries the producer's NIXL
+        # coordinates (proxy.py says why).
+        pairs += ["--mode=push", *(f"--push-target={push_target(s)}" for s in setups)]
     return group.start(ServerSpec("proxy", [python, "-m", "kvcs_demo.proxy", "--port", str(port), *pairs],
                                   {"PYTHONPATH": str(ROOT / "scripts"), "PYTHONUNBUFFERED": "1"}, port,
                                   work / "proxy.log"))
@@ -570,7 +576,10 @@ def parse_args(argv=None):
     p.add_argument("--model", type=Path, help="another model directory (default: the tiny Llama and Gemma-2)")
     p.add_argument("--setups", help="comma-separated setup names to run (default: all)")
     p.add_argument("--producer-tp", type=int, default=1, help="tensor parallel size of the producers (CPU)")
-    p.add_argument("--mode", choices=MODES, default="pull", help="connector mode (pull: NIXL READ)")
+    p.add_argument("--mode", choices=MODES, default="pull",
+                   help="NIXL mode (pull: NixlConnector, the consumer READs the KV after the producer answered; "
+                        "push: NixlPushConnector, the consumer registers its blocks and the producer WRITEs into "
+                        "them, the proxy sending both legs at once; no hostile client)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=os.environ.get("VLLM_DEVICE") or "cpu")
     p.add_argument("--ttft-requests", type=int, default=20, help="TTFT requests each with checksums on and off "
                    "(0: skip the baseline pair)")
@@ -606,6 +615,8 @@ def choose_setups(args) -> list[Setup]:
             raise SystemExit(f"unknown setups {sorted(wanted - names)}; known: {', '.join(sorted(names))}")
         keep = wanted | ({"baseline-off"} if args.ttft_requests > 0 else set())
         setups = [s for s in setups if s.name in keep]
+    for s in setups:
+        s.mode = args.mode
     return setups
 
 
@@ -654,7 +665,12 @@ def main(argv=None) -> int:
         # Every process group the demo started, for checks that none outlives it.
         (work / "process_groups.json").write_text(json.dumps(
             {m.name: m.pgid for ms in servers.values() for m in ms} | {proxy_server.name: proxy_server.pgid}))
-        if not args.no_hostile:
+        if args.mode == "push" and not args.no_hostile:
+            # It forges kv_checksums in kv_transfer_params, the pull carrier;
+            # push mode carries them in the WRITE's notification instead.
+            log("hostile client: not run in push mode (its forged kv_checksums ride kv_transfer_params, which "
+                "push mode does not carry checksums in)")
+        elif not args.no_hostile:
             target = next((s for s in checked if s.fail_closed and s.name not in errors), None)
             if target is not None:
                 try:

@@ -18,10 +18,24 @@ producer returned (the NIXL handle and, with checksums on, `kv_checksums`),
 so the consumer pulls the KV instead of prefilling. The consumer's answer is
 the client's answer.
 
-Response headers: `X-KVCS-Request-Id` (the id both legs carry; the producer
-leg's `X-Request-Id` is `<id>-prefill`), and `X-KVCS-Failed-Leg: prefill|decode`
-when a leg failed. Errors the proxy makes itself are OpenAI-style JSON
-`{"error": {"message", "type", "code"}}` and name the leg and the URL.
+`--mode push` (NixlPushConnector on both servers; one `--push-target` per
+pair) sends both legs at once, with the same `X-Request-Id`: the consumer
+leg carries the producer's NIXL coordinates (`do_remote_prefill`,
+`remote_engine_id`, `remote_host`, `remote_port`, `tp_size`, `pp_size`; no
+block ids), so the consumer allocates its blocks and registers them with the
+producer (a PUSH_REG notification) while the producer prefills; the
+producer's NIXL writer pairs that registration with its finished request by
+the request id and WRITEs the KV into the consumer's blocks. Nothing of the
+producer's answer reaches the consumer (push-mode checksums ride the
+WRITE's notification). The producer's answer is checked (200, a push
+producer with the engine id the consumer registered with); if it is not
+right the consumer leg is cancelled, which aborts its request.
+
+Response headers: `X-KVCS-Request-Id` (the id both legs carry; in pull mode
+the producer leg's `X-Request-Id` is `<id>-prefill`, in push mode `<id>`),
+and `X-KVCS-Failed-Leg: prefill|decode` when a leg failed. Errors the proxy
+makes itself are OpenAI-style JSON `{"error": {"message", "type", "code"}}`
+and name the leg and the URL.
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ import logging
 import re
 import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
@@ -49,15 +63,43 @@ REQUEST_ID = "X-Request-Id"
 KVCS_REQUEST_ID = "X-KVCS-Request-Id"
 FAILED_LEG = "X-KVCS-Failed-Leg"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+MODES = ("pull", "push")
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """What a push consumer needs to register its blocks with the producer
+    before the producer answers: the producer's NIXL engine id (its
+    kv_transfer_config "engine_id"), NIXL side channel host and port
+    (VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT), and its TP and PP sizes."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def decode_params(self, request_id: str) -> dict:
+        """The consumer leg's kv_transfer_params (upstream's push proxy,
+        examples/disaggregated/disaggregated_serving/
+        disagg_proxy_pushconnector_demo.py): no remote_block_ids, the
+        producer picks its blocks when it matches the registration."""
+        return {"do_remote_decode": False, "do_remote_prefill": True,
+                "remote_engine_id": self.engine_id, "remote_host": self.host,
+                "remote_port": self.port, "tp_size": self.tp_size, "pp_size": self.pp_size,
+                # For the consumer's lease heartbeats to the producer.
+                "remote_request_id": request_id}
 
 
 @dataclass(frozen=True)
 class Pair:
-    """A producer (prefill) server and a consumer (decode) server, by base URL."""
+    """A producer (prefill) server and a consumer (decode) server, by base URL;
+    in push mode also the producer's NIXL coordinates."""
 
     name: str
     producer: str
     consumer: str
+    push: PushTarget | None = None
 
 
 def parse_pair(text: str) -> Pair:
@@ -72,6 +114,52 @@ def parse_pair(text: str) -> Pair:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--pair {text!r}: {url!r} is not an http(s) URL")
     return Pair(name, parts[0], parts[1])
+
+
+def _positive(text: str, what: str, spec: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"--push-target {spec!r}: {what} {text!r} is not a positive integer")
+    return value
+
+
+def parse_push_target(text: str) -> tuple[str, PushTarget]:
+    """`NAME=ENGINE_ID,HOST:PORT[,TP_SIZE[,PP_SIZE]]` -> (pair name, PushTarget)."""
+    name, sep, rest = text.partition("=")
+    parts = [p.strip() for p in rest.split(",")]
+    usage = f"--push-target {text!r}: expected NAME=ENGINE_ID,HOST:PORT[,TP_SIZE[,PP_SIZE]]"
+    if not sep or not 2 <= len(parts) <= 4 or not all(parts):
+        raise ValueError(usage)
+    if not _NAME_RE.match(name):
+        raise ValueError(f"--push-target {text!r}: name {name!r} must match {_NAME_RE.pattern}")
+    host, colon, port = parts[1].rpartition(":")
+    if not colon or not host:
+        raise ValueError(f"{usage} (no HOST:PORT in {parts[1]!r})")
+    port_num = _positive(port, "port", text)
+    if port_num > 65535:
+        raise ValueError(f"--push-target {text!r}: port {port_num} is above 65535")
+    tp = _positive(parts[2], "TP size", text) if len(parts) > 2 else 1
+    pp = _positive(parts[3], "PP size", text) if len(parts) > 3 else 1
+    return name, PushTarget(parts[0], host, port_num, tp, pp)
+
+
+def with_push_targets(pairs: list[Pair], targets: list[tuple[str, PushTarget]]) -> list[Pair]:
+    """The pairs, each with its push target (every pair needs exactly one)."""
+    by_name: dict[str, PushTarget] = {}
+    for name, target in targets:
+        if name in by_name:
+            raise ValueError(f"--push-target: two targets for pair {name!r}")
+        by_name[name] = target
+    unknown = sorted(set(by_name) - {p.name for p in pairs})
+    if unknown:
+        raise ValueError(f"--push-target for unknown pair(s) {unknown}; pairs: {[p.name for p in pairs]}")
+    missing = [p.name for p in pairs if p.name not in by_name]
+    if missing:
+        raise ValueError(f"--mode push needs a --push-target for every pair; missing: {missing}")
+    return [replace(p, push=by_name[p.name]) for p in pairs]
 
 
 # ------------------------------------------------------------------ responses
@@ -115,12 +203,20 @@ class Proxy:
 
     def __init__(self, pairs: list[Pair], *, leg_timeout: float = LEG_TIMEOUT_S,
                  max_body_bytes: int = MAX_BODY_BYTES,
-                 max_response_bytes: int = MAX_RESPONSE_BYTES):
+                 max_response_bytes: int = MAX_RESPONSE_BYTES, mode: str = "pull"):
         if not pairs:
             raise ValueError("the proxy needs at least one --pair")
         names = [p.name for p in pairs]
         if len(set(names)) != len(names):
             raise ValueError(f"pair names must be unique, got {names}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "push" and any(p.push is None for p in pairs):
+            raise ValueError("push mode needs the producer's NIXL coordinates (--push-target) of pairs "
+                             f"{[p.name for p in pairs if p.push is None]}")
+        if mode == "pull" and any(p.push is not None for p in pairs):
+            raise ValueError("--push-target is for --mode push only")
+        self.mode = mode
         self.pairs = {p.name: p for p in pairs}
         self.default = pairs[0]
         self.leg_timeout = leg_timeout
@@ -151,8 +247,9 @@ class Proxy:
 
     async def _completion(self, request: web.Request, pair: Pair) -> web.Response:
         request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        legs = self._push_legs if self.mode == "push" else self._two_legs
         try:
-            response = await self._two_legs(request, pair, request_id)
+            response = await legs(request, pair, request_id)
         except _LegFailed as e:
             response = e.response
         except Exception as e:  # never let one request take the proxy down
@@ -165,8 +262,9 @@ class Proxy:
                  f" (failed leg: {failed})" if failed else "")
         return response
 
-    async def _two_legs(self, request: web.Request, pair: Pair,
-                        request_id: str) -> web.Response:
+    async def _read_completion(self, request: web.Request,
+                               request_id: str) -> dict | web.Response:
+        """The client's completion request, or the error response to give."""
         try:
             raw = await request.read()  # bounded by client_max_size
         except web.HTTPRequestEntityTooLarge:
@@ -182,8 +280,11 @@ class Proxy:
         if body.get("stream"):
             return _error(400, 'the kvcs demo proxy serves non-streaming completions only; '
                                'send "stream": false', request_id=request_id)
+        return body
 
-        # Leg 1: prefill on the producer, which keeps the KV for the consumer.
+    @staticmethod
+    def _prefill_request(body: dict) -> dict:
+        """The producer leg: prefill only, keeping the KV for the consumer."""
         prefill = dict(body)
         prefill.update(max_tokens=1, stream=False,
                        kv_transfer_params={"do_remote_decode": True,
@@ -194,6 +295,16 @@ class Proxy:
         # matters to the decode leg anyway.
         prefill.pop("min_tokens", None)
         prefill.pop("stream_options", None)
+        return prefill
+
+    async def _two_legs(self, request: web.Request, pair: Pair,
+                        request_id: str) -> web.Response:
+        body = await self._read_completion(request, request_id)
+        if isinstance(body, web.Response):
+            return body
+
+        # Leg 1: prefill on the producer, which keeps the KV for the consumer.
+        prefill = self._prefill_request(body)
         p_url = f"{pair.producer}/v1/completions"
         status, p_body, p_type = await self._post(
             "prefill", p_url, prefill, f"{request_id}-prefill", request_id)
@@ -219,6 +330,72 @@ class Proxy:
             "decode", c_url, decode, request_id, request_id)
         return _passthrough(status, c_body, c_type, request_id,
                             None if status == 200 else "decode")
+
+    async def _push_legs(self, request: web.Request, pair: Pair,
+                         request_id: str) -> web.Response:
+        """Push mode: both legs at once, with the same X-Request-Id.
+
+        The consumer registers its blocks with the producer while the
+        producer prefills; the producer's NIXL writer pairs the two by
+        request id (exactly, else with vLLM's per-engine random suffix
+        stripped: nixl/push_worker.py _pop_matching_registration) and
+        WRITEs. Either may come first, so the order of the legs does not
+        matter; sending them together overlaps the registration with the
+        prefill (upstream's push proxy does the same).
+        """
+        body = await self._read_completion(request, request_id)
+        if isinstance(body, web.Response):
+            return body
+        assert pair.push is not None
+        prefill = self._prefill_request(body)
+        decode = dict(body)
+        decode["kv_transfer_params"] = pair.push.decode_params(request_id)
+        p_url = f"{pair.producer}/v1/completions"
+        c_url = f"{pair.consumer}/v1/completions"
+        decode_leg = asyncio.ensure_future(self._post(
+            "decode", c_url, decode, request_id, request_id))
+        try:
+            status, p_body, p_type = await self._post(
+                "prefill", p_url, prefill, request_id, request_id)
+            if status != 200:
+                return _passthrough(status, p_body, p_type, request_id, "prefill")
+            problem = self._push_producer_problem(pair, p_url, p_body)
+            if problem:
+                return _error(502, problem, leg="prefill", request_id=request_id)
+            status, c_body, c_type = await decode_leg
+            return _passthrough(status, c_body, c_type, request_id,
+                                None if status == 200 else "decode")
+        finally:
+            # A consumer leg still waiting for a WRITE that will not come
+            # (the prefill failed) is cancelled: its connection closes and
+            # the consumer aborts the request. Its outcome, if any, is
+            # collected so no exception is left unretrieved.
+            decode_leg.cancel()
+            await asyncio.gather(decode_leg, return_exceptions=True)
+
+    @staticmethod
+    def _push_producer_problem(pair: Pair, p_url: str, p_body: bytes) -> str | None:
+        """Why the producer's 200 answer means no WRITE will reach the
+        consumer (None: it will)."""
+        assert pair.push is not None
+        try:
+            params = json.loads(p_body).get("kv_transfer_params")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            return (f"producer of pair {pair.name!r} ({p_url}) answered 200 with a body that "
+                    "is not a JSON object")
+        where = f"producer of pair {pair.name!r} ({p_url})"
+        if not isinstance(params, dict) or not params:
+            return (f"{where} returned no kv_transfer_params: start it with a NixlPushConnector "
+                    'kv_transfer_config whose kv_role produces KV ("kv_producer" or "kv_both")')
+        if params.get("transfer_mode") != "push":
+            return (f"{where} is not a push producer (transfer_mode "
+                    f"{params.get('transfer_mode')!r}): start it with NixlPushConnector, or run "
+                    "the proxy in --mode pull")
+        if params.get("remote_engine_id") != pair.push.engine_id:
+            return (f"{where} has NIXL engine id {params.get('remote_engine_id')!r}, but the "
+                    f"consumer registered its blocks with {pair.push.engine_id!r} (--push-target); "
+                    'set "engine_id" in the producer\'s kv_transfer_config')
+        return None
 
     async def _post(self, leg: str, url: str, payload: dict, header_id: str,
                     request_id: str) -> tuple[int, bytes, str | None]:
@@ -246,10 +423,11 @@ class Proxy:
 
 def build_app(pairs: list[Pair], *, leg_timeout: float = LEG_TIMEOUT_S,
               max_body_bytes: int = MAX_BODY_BYTES,
-              max_response_bytes: int = MAX_RESPONSE_BYTES) -> web.Application:
+              max_response_bytes: int = MAX_RESPONSE_BYTES,
+              mode: str = "pull") -> web.Application:
     """The proxy's aiohttp application (for `web.run_app` or a test server)."""
     proxy = Proxy(pairs, leg_timeout=leg_timeout, max_body_bytes=max_body_bytes,
-                  max_response_bytes=max_response_bytes)
+                  max_response_bytes=max_response_bytes, mode=mode)
     app = web.Application(client_max_size=max_body_bytes)
     app.cleanup_ctx.append(proxy.session_ctx)
     app.router.add_get("/health", proxy.health)
@@ -270,15 +448,31 @@ def main(argv: list[str] | None = None) -> None:
                     help="seconds per leg (default %(default)s)")
     ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                     help="largest client body accepted (default %(default)s)")
+    ap.add_argument("--mode", choices=MODES, default="pull",
+                    help="NIXL mode of the servers: pull (NixlConnector: producer leg, then "
+                         "the consumer leg with the producer's kv_transfer_params) or push "
+                         "(NixlPushConnector: both legs at once; needs --push-target)")
+    ap.add_argument("--push-target", action="append", default=[],
+                    metavar="NAME=ENGINE_ID,HOST:PORT[,TP[,PP]]",
+                    help="push mode, once per pair: the producer's NIXL engine id "
+                         "(kv_transfer_config engine_id), side channel host and port, "
+                         "TP and PP sizes (default 1)")
     args = ap.parse_args(argv)
     try:
         pairs = [parse_pair(p) for p in args.pair]
-        app = build_app(pairs, leg_timeout=args.timeout, max_body_bytes=args.max_body_bytes)
+        if args.mode == "push":
+            pairs = with_push_targets(pairs, [parse_push_target(t) for t in args.push_target])
+        elif args.push_target:
+            raise ValueError("--push-target is for --mode push only")
+        app = build_app(pairs, leg_timeout=args.timeout, max_body_bytes=args.max_body_bytes,
+                        mode=args.mode)
     except ValueError as e:
         ap.error(str(e))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    routes = ", ".join(f"{p.name}: {p.producer} -> {p.consumer}" for p in pairs)
+    routes = ", ".join(f"{p.name}: {p.producer} -> {p.consumer}" + (
+        f" (push: engine {p.push.engine_id} at {p.push.host}:{p.push.port}, TP {p.push.tp_size}, "
+        f"PP {p.push.pp_size})" if p.push else "") for p in pairs)
     # shutdown_timeout: on SIGTERM (the demo's stop) in-flight legs get 5 s,
     # well inside the demo's 20 s before SIGKILL.
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=5,

@@ -26,7 +26,15 @@ MAX_MODEL_LEN = 512
 
 # Policy name -> (kv_checksum_fail_closed, kv_load_failure_policy).
 POLICIES = {"fail": (True, "fail"), "recompute": (True, "recompute"), "open": (False, "fail")}
-MODES = ("pull",)  # the carriers issue adds "push" and "mooncake" here
+# NIXL mode -> the connector both servers run. pull: the consumer READs the
+# KV after the producer answered; push: the consumer registers its blocks
+# with the producer, which WRITEs the KV into them (nixl/push_*.py).
+CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector"}
+MODES = tuple(CONNECTORS)  # the carriers issue adds "mooncake" here
+# The producers' NIXL side channel host: vLLM's default
+# (VLLM_NIXL_SIDE_CHANNEL_HOST), which the demo does not change. Push mode
+# hands it to the consumers (through the proxy) before the producer answers.
+NIXL_SIDE_CHANNEL_HOST = "localhost"
 
 
 @dataclass
@@ -41,9 +49,11 @@ class Setup:
     faults: bool = True  # the consumer wraps its connector in the fault-injecting one
     producer_tp: int = 1
     consumer_tp: int = 1
+    mode: str = "pull"  # a MODES key: the NIXL mode of both servers
     # Set when the servers start.
     urls: dict[str, str] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
+    side_ports: dict[str, int] = field(default_factory=dict)  # NIXL side channel base port
     control_path: Path | None = None
     injections_path: Path | None = None
 
@@ -90,13 +100,28 @@ def gpu_setups(model: Path) -> list[Setup]:
             Setup("baseline-off", model, policy="open", checksums=False)]
 
 
+def producer_engine_id(setup: Setup) -> str:
+    """The producer's NIXL engine id in push mode (set, not vLLM's random
+    one: the consumer registers its blocks with it before the producer
+    answers)."""
+    return f"kvcs-demo-{setup.name}-producer"
+
+
+def push_target(setup: Setup) -> str:
+    """The proxy's --push-target of the pair: the producer's NIXL coordinates."""
+    return (f"{setup.name}={producer_engine_id(setup)},{NIXL_SIDE_CHANNEL_HOST}:{setup.side_ports['producer']},"
+            f"{setup.producer_tp}")
+
+
 def kv_transfer_config(setup: Setup, role: str, device: str, *, control_path: Path | None = None,
                        injections_path: Path | None = None, seed: int = 0) -> dict:
     """The --kv-transfer-config of one server of the pair."""
-    nixl = {"kv_connector": "NixlConnector", "kv_role": role}
+    nixl = {"kv_connector": CONNECTORS[setup.mode], "kv_role": role}
     if device == "cpu":
         nixl["kv_buffer_device"] = "cpu"
     config: dict = dict(nixl)
+    if setup.mode == "push" and role == "kv_producer":
+        config["engine_id"] = producer_engine_id(setup)
     if setup.checksums:
         fail_closed, policy = POLICIES[setup.policy]
         config.update(enable_kv_checksum=True, kv_checksum_fail_closed=fail_closed,

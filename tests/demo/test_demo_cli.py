@@ -22,8 +22,8 @@ from kvcs_demo import demo, prom
 from kvcs_demo.demo import (FAULT_KINDS, PhaseResult, RequestResult, build_report, checksum_counts, choose_setups,
                             diff, expected_verdict, injections_for, judge, loads_in, parse_args,
                             positions_from_client_error, positions_from_log, print_table, verdict_of)
-from kvcs_demo.setups import (BLOCK_SIZE, CPU_SITE, MAX_MODEL_LEN, ROOT, Setup, cpu_setups, gpu_setups,
-                              kv_transfer_config, server_argv, server_env)
+from kvcs_demo.setups import (BLOCK_SIZE, CPU_SITE, MAX_MODEL_LEN, MODES, ROOT, Setup, cpu_setups, gpu_setups,
+                              kv_transfer_config, producer_engine_id, push_target, server_argv, server_env)
 
 ALL_KINDS = ["flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
              "misplace_block", "change_tail", "drop_checksums"]
@@ -355,6 +355,127 @@ def test_set_faults_writes_the_control_file(tmp_path):
     demo.set_faults(s, None)
     assert json.loads(s.control_path.read_text()) == {"kinds": [], "rate": 0.0}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.faults.json"]
+
+
+# ----------------------------------------------------------------- 3b. push mode
+#
+# --mode push: NixlPushConnector on both servers (the consumer's wrapped by
+# the fault-injecting connector as in pull), the producer with a fixed NIXL
+# engine id, and the proxy given each producer's NIXL coordinates, since the
+# consumer registers its blocks with the producer before the producer answers.
+
+NIXL_PUSH_CPU_CONSUMER = {"kv_connector": "NixlPushConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+
+
+def test_modes():
+    assert MODES == ("pull", "push")
+    assert parse_args(["--mode", "push"]).mode == "push"
+
+
+def test_parse_args_unknown_mode(capsys):
+    assert "invalid choice: 'mooncake'" in parse_error(capsys, ["--mode", "mooncake"])
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_choose_setups_gives_every_setup_the_mode(fake_make_models, mode):
+    got = choose_setups(parse_args(["--mode", mode, "--setups", "llama"]))
+    assert [(s.name, s.mode) for s in got] == [("llama", mode), ("baseline-off", mode)]
+    got = choose_setups(parse_args(["--mode", mode, "--device", "cuda", "--model", "X"]))
+    assert {s.mode for s in got} == {mode}
+
+
+def test_kv_config_push_producer_has_its_engine_id():
+    s = Setup("llama", Path("/m"), policy="fail", mode="push")
+    assert producer_engine_id(s) == "kvcs-demo-llama-producer"
+    assert kv_transfer_config(s, "kv_producer", "cpu") == {
+        "kv_connector": "NixlPushConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
+        "engine_id": "kvcs-demo-llama-producer", "enable_kv_checksum": True, "kv_checksum_fail_closed": True,
+        "kv_load_failure_policy": "fail"}
+
+
+@pytest.mark.parametrize("policy, fail_closed, load_policy",
+                         [("fail", True, "fail"), ("recompute", True, "recompute"), ("open", False, "fail")])
+def test_kv_config_push_consumer_wraps_the_push_connector(tmp_path, policy, fail_closed, load_policy):
+    s = Setup("x", Path("/m"), policy=policy, mode="push")
+    control, injections = tmp_path / "x.faults.json", tmp_path / "x.injections.jsonl"
+    cfg = kv_transfer_config(s, "kv_consumer", "cpu", control_path=control, injections_path=injections, seed=7)
+    # The same wrapper as in pull mode, around NixlPushConnector; the
+    # consumer's engine id stays vLLM's own (its PUSH_REG carries it).
+    assert cfg == {
+        "kv_connector": "KVChecksumFaultConnector",
+        "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
+        "kv_role": "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "enable_kv_checksum": True,
+        "kv_checksum_fail_closed": fail_closed,
+        "kv_load_failure_policy": load_policy,
+        "kv_connector_extra_config": {
+            "connectors": [NIXL_PUSH_CPU_CONSUMER],
+            "kv_checksum_faults": {"kinds": "all", "rate": 0.0, "seed": 7, "control_path": str(control),
+                                   "log_path": str(injections)},
+        },
+    }
+
+
+def test_kv_config_push_baseline_and_cuda():
+    off = Setup("baseline-off", Path("/m"), policy="open", checksums=False, mode="push")
+    assert kv_transfer_config(off, "kv_producer", "cpu") == {
+        "kv_connector": "NixlPushConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
+        "engine_id": "kvcs-demo-baseline-off-producer"}
+    cons = kv_transfer_config(off, "kv_consumer", "cpu")
+    assert cons["kv_connector_extra_config"]["connectors"] == [NIXL_PUSH_CPU_CONSUMER]
+    assert "enable_kv_checksum" not in cons and "engine_id" not in cons
+    gpu = Setup("tp2-tp1", Path("X"), producer_tp=2, mode="push")
+    assert kv_transfer_config(gpu, "kv_consumer", "cuda")["kv_connector_extra_config"]["connectors"] == [
+        {"kv_connector": "NixlPushConnector", "kv_role": "kv_consumer"}]
+    assert kv_transfer_config(gpu, "kv_producer", "cuda")["engine_id"] == "kvcs-demo-tp2-tp1-producer"
+
+
+def test_server_specs_push_mode_records_the_side_channels(tmp_path):
+    setups = [Setup("llama", Path("/m/l"), policy="fail", producer_tp=2, mode="push"),
+              Setup("gemma2-merged", Path("/m/g"), hybrid=False, policy="open", mode="push")]
+    specs = demo.server_specs(setups, "cpu", tmp_path, "py")
+    for s in setups:
+        prod, cons = specs[s.name]
+        assert s.side_ports == {"producer": int(prod.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]),
+                                "consumer": int(cons.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])}
+        assert json.loads(flag(prod.argv, "--kv-transfer-config"))["engine_id"] == producer_engine_id(s)
+        assert json.loads(flag(cons.argv, "--kv-transfer-config"))["kv_connector_extra_config"][
+            "connectors"][0]["kv_connector"] == "NixlPushConnector"
+    llama = setups[0]
+    assert push_target(llama) == f"llama=kvcs-demo-llama-producer,localhost:{llama.side_ports['producer']},2"
+    # ... which the proxy parses back to the producer's coordinates.
+    from kvcs_demo.proxy import PushTarget, parse_push_target
+    assert parse_push_target(push_target(llama)) == (
+        "llama", PushTarget("kvcs-demo-llama-producer", "localhost", llama.side_ports["producer"], 2, 1))
+
+
+class _RecordingGroup:
+    def __init__(self):
+        self.specs = []
+
+    def start(self, spec):
+        self.specs.append(spec)
+        return spec
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_start_proxy_argv(tmp_path, mode):
+    setups = [Setup("a", Path("/m"), mode=mode), Setup("b", Path("/m"), producer_tp=2, mode=mode)]
+    for i, s in enumerate(setups):
+        s.urls = {"producer": f"http://127.0.0.1:{100 + i}", "consumer": f"http://127.0.0.1:{200 + i}"}
+        s.side_ports = {"producer": 300 + i, "consumer": 400 + i}
+    group = _RecordingGroup()
+    demo.start_proxy(group, setups, tmp_path, "py")
+    [spec] = group.specs
+    argv = spec.argv
+    assert argv[:5] == ["py", "-m", "kvcs_demo.proxy", "--port", str(spec.port)]
+    pairs = ["--pair=a=http://127.0.0.1:100,http://127.0.0.1:200", "--pair=b=http://127.0.0.1:101,http://127.0.0.1:201"]
+    if mode == "pull":
+        assert argv[5:] == pairs  # as before push mode existed
+    else:
+        assert argv[5:] == [*pairs, "--mode=push", "--push-target=a=kvcs-demo-a-producer,localhost:300,1",
+                            "--push-target=b=kvcs-demo-b-producer,localhost:301,2"]
 
 
 # ----------------------------------------------------------------- 4. verdict plumbing

@@ -17,7 +17,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from kvcs_demo.proxy import parse_pair
+from kvcs_demo.proxy import Proxy, PushTarget, parse_pair, parse_push_target, with_push_targets
+from kvcs_demo.proxy import main as proxy_main
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -285,3 +286,265 @@ def test_parse_pair():
     for bad in ["a", "a=http://h:1", "a b=http://h:1,http://h:2", "a=h:1,http://h:2"]:
         with pytest.raises(ValueError, match="--pair"):
             parse_pair(bad)
+
+
+# ------------------------------------------------------------------ push mode
+#
+# NixlPushConnector: the consumer registers its blocks with the producer and
+# the producer WRITEs into them, so the consumer leg cannot wait for the
+# producer's answer. Both legs go out at once with the same X-Request-Id (the
+# producer's writer pairs them by it), the consumer's kv_transfer_params are
+# the producer's NIXL coordinates from --push-target.
+
+PUSH_TARGET = "engine-p,localhost:5601,2"
+PUSH_LEG_TIMEOUT_S = 8  # the push proxy's --timeout
+
+
+def push_producer_params(engine_id: str = "engine-p") -> dict:
+    """What a NixlPushConnector producer returns (push_scheduler.request_finished)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4, 5]],
+            "remote_engine_id": engine_id, "remote_request_id": "cmpl-x-0-1234abcd",
+            "remote_host": "localhost", "remote_port": 5601, "tp_size": 2, "pp_size": 1,
+            "remote_num_tokens": 151, "transfer_mode": "push"}
+
+
+def push_decode_params(request_id: str) -> dict:
+    return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "engine-p",
+            "remote_host": "localhost", "remote_port": 5601, "tp_size": 2, "pp_size": 1,
+            "remote_request_id": request_id}
+
+
+class PushStandIn(StandIn):
+    """A stand-in push server. `gate` (set by a test on both servers of a
+    pair): the consumer sets it when its leg arrives, the producer answers
+    only once it is set, as a real producer's WRITE needs the consumer's
+    registration. `cancelled` is set when the proxy hangs up on a leg."""
+
+    def __init__(self, name, loop):
+        self.gate: asyncio.Event | None = None
+        self.cancelled = threading.Event()
+        super().__init__(name, loop)
+
+    def reset(self) -> None:
+        super().reset()
+        self.gate = None
+        self.cancelled = threading.Event()
+        if self.name.endswith("producer"):
+            self.reply = (200, {"id": f"cmpl-{self.name}", "choices": [{"text": "x"}],
+                                "kv_transfer_params": push_producer_params()})
+
+    async def handle(self, request):
+        producer = self.name.endswith("producer")
+        try:
+            if self.gate is not None and producer:
+                await asyncio.wait_for(self.gate.wait(), SAFETY_S)
+            self.received.append({"path": request.path, "headers": request.headers.copy(),
+                                  "json": json.loads(await request.read())})
+            if self.gate is not None and not producer:
+                self.gate.set()
+            if self.reply == "hang":
+                await asyncio.sleep(SAFETY_S)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        status, body = self.reply
+        if isinstance(body, bytes):
+            return web.Response(status=status, body=body, content_type="text/plain")
+        return web.json_response(body, status=status)
+
+
+@pytest.fixture(scope="module")
+def push_env(loop, tmp_path_factory):
+    """Push stand-ins for pair p (and deadc: no consumer); one proxy in push mode."""
+    servers = {n: PushStandIn(n, loop) for n in ["p-producer", "p-consumer", "deadc-producer"]}
+    nobody = f"http://127.0.0.1:{free_port_block()}"
+    tmp = tmp_path_factory.mktemp("push-proxy")
+    with ProcessGroup(log=lambda line: None) as group:
+        url = _start_proxy(group, tmp, [
+            f"p={servers['p-producer'].url},{servers['p-consumer'].url}",
+            f"deadc={servers['deadc-producer'].url},{nobody}",
+        ], "--mode", "push", "--push-target", f"p={PUSH_TARGET}",
+            "--push-target", "deadc=engine-p,localhost:5601,2", "--timeout", str(PUSH_LEG_TIMEOUT_S))
+        yield {"url": url, "servers": servers, "nobody": nobody, "group": group, "tmp": tmp}
+    for s in servers.values():
+        s.close()
+
+
+@pytest.fixture
+def push_proxy(push_env):
+    for s in push_env["servers"].values():
+        s.reset()
+    with httpx.Client(base_url=push_env["url"], trust_env=False, timeout=SAFETY_S) as client:
+        yield client
+
+
+def test_push_both_legs_at_once_with_one_request_id(push_env, push_proxy, loop):
+    producer, consumer = push_env["servers"]["p-producer"], push_env["servers"]["p-consumer"]
+    # The producer answers only once the consumer leg reached the consumer:
+    # a proxy that waited for the producer's answer first would get no
+    # answer within its --timeout here.
+    _gate(push_env, loop)
+    body = {"model": "m", "prompt": "hello there", "max_tokens": 7, "min_tokens": 2, "temperature": 0,
+            "kv_transfer_params": {"client": "replaced"}}
+    r = push_proxy.post("/pairs/p/v1/completions", json=body, headers={"X-Request-Id": "req-p1"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "decoded by p-consumer"
+    assert r.headers["X-KVCS-Request-Id"] == "req-p1" and "X-KVCS-Failed-Leg" not in r.headers
+
+    [prefill] = producer.received
+    # The same id on both legs: the producer pairs the consumer's
+    # registration with its own request by it.
+    assert prefill["headers"]["X-Request-Id"] == "req-p1"
+    assert prefill["json"]["max_tokens"] == 1 and prefill["json"]["stream"] is False
+    assert prefill["json"]["kv_transfer_params"] == NO_DECODE
+    assert "min_tokens" not in prefill["json"]
+
+    [decode] = consumer.received
+    assert decode["headers"]["X-Request-Id"] == "req-p1"
+    # The producer's coordinates, not its answer (no block ids, no checksums).
+    assert decode["json"] == {**body, "kv_transfer_params": push_decode_params("req-p1")}
+
+
+async def _event() -> asyncio.Event:
+    return asyncio.Event()
+
+
+def test_push_default_route_and_generated_id(push_env, push_proxy):
+    r = push_proxy.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    request_id = r.headers["X-KVCS-Request-Id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", request_id)
+    assert push_env["servers"]["p-producer"].received[0]["headers"]["X-Request-Id"] == request_id
+    [decode] = push_env["servers"]["p-consumer"].received
+    assert decode["headers"]["X-Request-Id"] == request_id
+    assert decode["json"]["kv_transfer_params"] == push_decode_params(request_id)
+
+
+def _wait(flag: threading.Event) -> bool:
+    return flag.wait(SAFETY_S)
+
+
+def _gate(env, loop) -> None:
+    """Pair p's producer answers once its consumer got the consumer leg."""
+    gate = asyncio.run_coroutine_threadsafe(_event(), loop).result(SAFETY_S)
+    env["servers"]["p-producer"].gate = env["servers"]["p-consumer"].gate = gate
+
+
+@pytest.mark.parametrize("status, body", [
+    (400, {"object": "error", "message": "prompt is too long", "code": 400}),
+    (500, b"engine died"),
+])
+def test_push_producer_error_cancels_the_waiting_consumer_leg(push_env, push_proxy, loop, status, body):
+    producer, consumer = push_env["servers"]["p-producer"], push_env["servers"]["p-consumer"]
+    _gate(push_env, loop)
+    producer.reply = (status, body)
+    consumer.reply = "hang"  # waits for a WRITE that will not come
+    r = push_proxy.post("/pairs/p/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "bad-p"})
+    assert r.status_code == status
+    assert r.content == (body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert r.headers["X-KVCS-Failed-Leg"] == "prefill" and r.headers["X-KVCS-Request-Id"] == "bad-p"
+    # The consumer got its leg, and the proxy hung up on it at once (vLLM
+    # then aborts the request) instead of leaving it waiting.
+    assert len(consumer.received) == 1
+    assert _wait(consumer.cancelled)
+    assert r.elapsed.total_seconds() < PUSH_LEG_TIMEOUT_S - 2
+
+
+@pytest.mark.parametrize("params, words", [
+    (None, ["returned no kv_transfer_params", "NixlPushConnector"]),
+    ({**push_producer_params(), "transfer_mode": "pull"}, ["not a push producer", "'pull'", "--mode pull"]),
+    ({k: v for k, v in push_producer_params().items() if k != "transfer_mode"}, ["not a push producer"]),
+    (push_producer_params("random-engine"), ["'random-engine'", "'engine-p'", "engine_id"]),
+])
+def test_push_producer_that_cannot_reach_the_consumer_is_502(push_env, push_proxy, loop, params, words):
+    producer, consumer = push_env["servers"]["p-producer"], push_env["servers"]["p-consumer"]
+    _gate(push_env, loop)
+    producer.reply = (200, {"choices": [{"text": "x"}], "kv_transfer_params": params})
+    consumer.reply = "hang"
+    r = push_proxy.post("/pairs/p/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 502 and r.headers["X-KVCS-Failed-Leg"] == "prefill"
+    message = r.json()["error"]["message"]
+    assert producer.url in message
+    for word in words:
+        assert word in message, (word, message)
+    assert len(consumer.received) == 1
+    assert _wait(consumer.cancelled)
+    assert r.elapsed.total_seconds() < PUSH_LEG_TIMEOUT_S - 2
+
+
+def test_push_consumer_error_is_passed_through_with_the_leg(push_env, push_proxy):
+    error = {"object": "error", "message": "kv_checksum_mismatch: corrupt (group 0 blocks [3])", "code": 503}
+    push_env["servers"]["p-consumer"].reply = (503, error)
+    r = push_proxy.post("/pairs/p/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.json() == error
+    assert r.headers["X-KVCS-Failed-Leg"] == "decode"
+    assert len(push_env["servers"]["p-producer"].received) == 1
+
+
+def test_push_unreachable_consumer_is_502_naming_the_leg(push_env, push_proxy):
+    r = push_proxy.post("/pairs/deadc/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 502 and r.headers["X-KVCS-Failed-Leg"] == "decode"
+    assert push_env["nobody"] in r.json()["error"]["message"]
+    assert len(push_env["servers"]["deadc-producer"].received) == 1
+
+
+def test_push_consumer_timeout_is_504(push_env, push_proxy):
+    push_env["servers"]["p-consumer"].reply = "hang"  # no WRITE ever arrives
+    r = push_proxy.post("/pairs/p/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 504 and r.headers["X-KVCS-Failed-Leg"] == "decode"
+    assert f"within {PUSH_LEG_TIMEOUT_S} s" in r.json()["error"]["message"]
+
+
+def test_push_invalid_and_streaming_requests_reach_no_server(push_env, push_proxy):
+    assert push_proxy.post("/v1/completions", content=b"{nope",
+                           headers={"Content-Type": "application/json"}).status_code == 400
+    assert push_proxy.post("/v1/completions", json={"prompt": "x", "stream": True}).status_code == 400
+    assert not any(s.received for s in push_env["servers"].values())
+
+
+def test_parse_push_target():
+    assert parse_push_target("a=eng-1,localhost:5600") == ("a", PushTarget("eng-1", "localhost", 5600, 1, 1))
+    assert parse_push_target("a=e,::1:7000,2,3") == ("a", PushTarget("e", "::1", 7000, 2, 3))
+    assert PushTarget("e", "h", 1, 2, 3).decode_params("r") == {
+        "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "h",
+        "remote_port": 1, "tp_size": 2, "pp_size": 3, "remote_request_id": "r"}
+    for bad in ["a", "a=e", "a=e,h", "a=e,:1", "a=e,h:0", "a=e,h:x", "a=e,h:70000", "a=e,h:1,0",
+                "a=e,h:1,1,2,3", "a b=e,h:1", "a=,h:1"]:
+        with pytest.raises(ValueError, match="--push-target"):
+            parse_push_target(bad)
+
+
+def test_push_targets_match_the_pairs():
+    pairs = [parse_pair("a=http://h:1,http://h:2"), parse_pair("b=http://h:3,http://h:4")]
+    got = with_push_targets(pairs, [parse_push_target("b=eb,h:6,2"), parse_push_target("a=ea,h:5")])
+    assert [(p.name, p.push.engine_id, p.push.port, p.push.tp_size) for p in got] == [
+        ("a", "ea", 5, 1), ("b", "eb", 6, 2)]
+    with pytest.raises(ValueError, match="missing: \\['b'\\]"):
+        with_push_targets(pairs, [parse_push_target("a=ea,h:5")])
+    with pytest.raises(ValueError, match="unknown pair"):
+        with_push_targets(pairs, [parse_push_target("a=ea,h:5"), parse_push_target("b=eb,h:6"),
+                                  parse_push_target("c=ec,h:7")])
+    with pytest.raises(ValueError, match="two targets"):
+        with_push_targets(pairs, [parse_push_target("a=ea,h:5"), parse_push_target("a=eb,h:6")])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "push", "--pair", "a=http://h:1,http://h:2"], "needs a --push-target for every pair"),
+    (["--pair", "a=http://h:1,http://h:2", "--push-target", "a=e,h:5"], "for --mode push only"),
+    (["--mode", "push", "--pair", "a=http://h:1,http://h:2", "--push-target", "a=e,h"], "--push-target"),
+])
+def test_push_arguments_are_checked(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        proxy_main(["--port", "1", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_proxy_modes_need_matching_pairs():
+    pull = parse_pair("a=http://h:1,http://h:2")
+    with pytest.raises(ValueError, match="push mode needs"):
+        Proxy([pull], mode="push")
+    with pytest.raises(ValueError, match="push only"):
+        Proxy([with_push_targets([pull], [parse_push_target("a=e,h:5")])[0]])
+    with pytest.raises(ValueError, match="mode must be one of"):
+        Proxy([pull], mode="mooncake")

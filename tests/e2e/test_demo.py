@@ -10,6 +10,13 @@ process it started is left.
 
 Marked e2e: `make test` runs it on its own after the other tests (it needs
 the machine's cores), `make test-e2e` runs it alone.
+
+Parametrized by NIXL mode: `[pull]` (NixlConnector, checksums in
+kv_transfer_params) always runs; `[push]` (`--mode push`: NixlPushConnector,
+checksums on the WRITE's notification) is skipped unless KVCS_E2E_PUSH=1, as
+it can pass only once push-mode checksums are in the patch series:
+
+    KVCS_E2E_PUSH=1 .venv/bin/python -m pytest -p no:cacheprovider -q -s -m e2e tests/e2e -k push
 """
 
 from __future__ import annotations
@@ -28,18 +35,26 @@ KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layer
 
 pytestmark = pytest.mark.e2e
 
+PUSH_READY = os.environ.get("KVCS_E2E_PUSH") == "1"
+MODES = ["pull", pytest.param("push", marks=pytest.mark.skipif(
+    not PUSH_READY, reason="push mode (NixlPushConnector) passes only once push-mode KV checksums are in the "
+                           "patch series; run it with KVCS_E2E_PUSH=1"))]
+# What the consumers' startup line says carries the checksums.
+CARRIER = {"pull": "carrier kv_transfer_params", "push": "carrier connector"}
+
 
 def total(metrics: dict, name: str) -> int:
     return sum(v for k, v in metrics.items() if k.split("/")[0] == name)
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
+@pytest.fixture(scope="module", params=MODES)
+def demo(request, tmp_path_factory):
+    mode = request.param
+    out = tmp_path_factory.mktemp(f"demo-{mode}")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "scripts"), HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "kvcs_demo", "--requests", "1", "--ttft-requests", "3",
-                             "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--out", str(out), *(["--mode", mode] if mode != "pull" else [])], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=1800)
     except BaseException:
@@ -55,7 +70,9 @@ def demo(tmp_path_factory):
     print(stderr[-3000:], file=sys.stderr)
     report_path = out / "report.json"
     assert report_path.exists(), f"no report (exit {proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}"
-    return proc, json.loads(report_path.read_text()), out
+    report = json.loads(report_path.read_text())
+    assert report["mode"] == mode
+    return proc, report, out
 
 
 def test_demo_passes_and_leaves_no_process(demo):
@@ -139,6 +156,10 @@ def test_policies_on_real_servers(demo):
 
 def test_hostile_client_is_unverified_and_the_consumer_keeps_serving(demo):
     _, report, _ = demo
+    if report["mode"] == "push":
+        # Its forged kv_checksums ride kv_transfer_params, the pull carrier.
+        assert not any("hostile_client" in s for s in report["setups"])
+        pytest.skip("push mode runs no hostile client")
     hostile = [h for s in report["setups"] for h in s.get("hostile_client", [])]
     assert {h["payload"] for h in hostile} == {"malformed", "extreme_values"}
     for h in hostile:
@@ -150,6 +171,7 @@ def test_startup_logs_say_checksums_are_on(demo):
     for s in report["setups"]:
         consumer = " ".join(s["startup_log"]["consumer"])
         assert "KV checksums enabled" in consumer and ("fail-closed" if s["fail_closed"] else "fail-open") in consumer
+        assert CARRIER[report["mode"]] in consumer, consumer
 
 
 def test_ttft_on_and_off_measured_in_the_same_run(demo):

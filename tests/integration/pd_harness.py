@@ -45,6 +45,32 @@ _ids = itertools.count()
 init_none_hash(sha256)
 
 
+# The connectors the verified-loads cases run with, by mode. Pull carries the
+# checksums in kv_transfer_params; the others in their own messages
+# (KVChecksumCarrier.CONNECTOR).
+CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector"}
+
+
+def mode_of(side: Side) -> str:
+    """The side's CONNECTORS mode; a wrapper (MultiConnector, the fault
+    connector) has its first wrapped connector's."""
+    kv = side.scheduler.vllm_config.kv_transfer_config
+    name = kv.kv_connector
+    wrapped = (kv.kv_connector_extra_config or {}).get("connectors")
+    if wrapped:
+        name = wrapped[0]["kv_connector"]
+    return next(mode for mode, connector in CONNECTORS.items() if connector == name)
+
+
+def connector_carried(producer: Side, out, request_id: str) -> bytes | None:
+    """The checksums the producer's scheduler ships for a finished request
+    in its connector metadata (connector-owned carriers), or None."""
+    meta = out.kv_connector_metadata
+    if mode_of(producer) == "push":
+        return meta.push_finished_kv_checksums.get(request_id)
+    raise AssertionError(f"{mode_of(producer)} carries no checksums in its metadata")
+
+
 def layer_name(i: int) -> str:
     return f"model.layers.{i}.self_attn.attn"
 
@@ -133,26 +159,31 @@ class Side:
 
     # -- one engine step ---------------------------------------------------
 
-    def step(self, finished_recving=frozenset(), forward=None, *, failed_recving=frozenset(), finished_on=None):
+    def step(self, finished_recving=frozenset(), forward=None, *, failed_recving=frozenset(), finished_on=None,
+             received=None):
         """One engine step: schedule, `forward(scheduler_output)` writes the
         step's KV, every worker checksums and reports, the scheduler updates.
 
         finished_recving: the loads every worker's connector reports finished;
         finished_on: instead, worker index -> the loads that worker reports.
-        failed_recving: of those, the ones the connector reports failed."""
+        failed_recving: of those, the ones the connector reports failed.
+        received: the checksums every worker's connector delivers (by
+        request id; connector-owned carriers)."""
         out = self.scheduler.schedule()
         if forward is not None:
             forward(out)
-        merged = self.run_workers(out, finished_recving, failed_recving=failed_recving, finished_on=finished_on)
+        merged = self.run_workers(out, finished_recving, failed_recving=failed_recving, finished_on=finished_on,
+                                  received=received)
         return out, self.update(out, merged)
 
-    def run_workers(self, out, finished_recving=frozenset(), *, failed_recving=frozenset(), finished_on=None):
+    def run_workers(self, out, finished_recving=frozenset(), *, failed_recving=frozenset(), finished_on=None,
+                    received=None):
         """The workers' half of a step for scheduler output `out` (see step):
         their outputs, merged by the real KVOutputAggregator."""
         runner_outputs = []
         for i, w in enumerate(self.workers):
             done = set(finished_on.get(i, ())) if finished_on is not None else set(finished_recving)
-            checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, done)
+            checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, done, received=received)
             kv_out = KVConnectorOutput(finished_recving=done or None, failed_recving=set(failed_recving) & done,
                                        kv_checksums=checksums)
             runner_outputs.append(self.runner_output(out, kv_out))
@@ -297,14 +328,29 @@ def run_local(side: Side, prompt: list[int]) -> Request:
 
 
 def prefill(producer: Side, prompt: list[int]) -> tuple[Request, dict]:
-    """A producer request run to its end; returns it and its kv_transfer_params."""
+    """A producer request run to its end; returns it and its kv_transfer_params.
+
+    With a connector-owned carrier the params hold no checksums: the
+    producer's scheduler ships them in the next step's connector metadata.
+    That step runs here, and its checksums (bytes) are put under
+    "kv_checksums" in the returned params, where `load` takes them to hand
+    to the consumer's workers as their connector would: a test drops or
+    changes them the same way in every mode.
+    """
     req = make_request(prompt, remote_decode=True, block_size=producer.block_size)
     producer.scheduler.add_request(req)
     forward = forward_of(producer, req)
     for _ in range(8):
         _, outputs = producer.step(forward=forward)
         if req.request_id in outputs and outputs[req.request_id].kv_transfer_params is not None:
-            return req, outputs[req.request_id].kv_transfer_params
+            params = dict(outputs[req.request_id].kv_transfer_params)
+            if mode_of(producer) != "pull":
+                assert "kv_checksums" not in params
+                out, _ = producer.step()
+                carried = connector_carried(producer, out, req.request_id)
+                if carried is not None:
+                    params["kv_checksums"] = carried
+            return req, params
     raise AssertionError("the producer request did not finish with kv_transfer_params")
 
 
@@ -321,8 +367,17 @@ def load(consumer: Side, producer: Side, producer_req: Request, params: dict, *,
     """The consumer loads a producer request's KV: schedule, transfer, verify, run.
 
     num_local: the consumer's local prefix-cache hit, in tokens (what the
-    transfer does not write)."""
-    req = make_request(producer_req.prompt_token_ids, params=dict(params), block_size=consumer.block_size)
+    transfer does not write). With a connector-owned carrier, the checksums
+    under params["kv_checksums"] (see prefill) reach every consumer worker
+    with the finished load, as its connector reports them."""
+    params = dict(params)
+    received = None
+    if mode_of(consumer) != "pull":
+        carried = params.pop("kv_checksums", None)
+        received = None if carried is None else {}
+    req = make_request(producer_req.prompt_token_ids, params=params, block_size=consumer.block_size)
+    if received is not None:
+        received[req.request_id] = carried
     consumer.scheduler.add_request(req)
     out, _ = consumer.step()
     assert req.status.name == "WAITING_FOR_REMOTE_KVS", req.status
@@ -330,7 +385,7 @@ def load(consumer: Side, producer: Side, producer_req: Request, params: dict, *,
                           source_id=producer_req.request_id)
     if tamper is not None:
         tamper(req)
-    _, outputs = consumer.step(finished_recving={req.request_id})
+    _, outputs = consumer.step(finished_recving={req.request_id}, received=received)
     out, _ = consumer.step()
     return LoadResult(req, outputs, out.num_scheduled_tokens.get(req.request_id, 0), num_local)
 
@@ -352,6 +407,7 @@ class ReportingConnector:
 
         class _Reporting(KVConnectorBase_V1):
             finished: set[str] = set()
+            received: dict[str, bytes] = {}
 
             def start_load_kv(self, forward_context, **kwargs): pass
             def wait_for_layer_load(self, layer_name): pass
@@ -363,18 +419,20 @@ class ReportingConnector:
 
             def get_transfer_results(self, finished_req_ids):
                 done, self.finished = self.finished, set()
-                return KVConnectorTransferResults(finished_recving=done)
+                received, self.received = self.received, {}
+                return KVConnectorTransferResults(finished_recving=done, kv_checksums=received)
 
         return _Reporting(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
 
 
-def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connector=None):
+def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connector=None, received=None):
     """Like Side.step, with each worker's output made by a model runner's own
     connector path without a forward: "v1" (KVConnectorModelRunnerMixin,
     also the CPU backend's) or "v2" (ActiveKVConnector).
 
     connector: the workers' KV connector, used as it is; by default a
-    ReportingConnector per worker that reports `finished_recving`."""
+    ReportingConnector per worker that reports `finished_recving` (and the
+    checksums `received`, as a connector-owned carrier delivers them)."""
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
@@ -386,6 +444,7 @@ def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connec
         if worker_connector is None:
             worker_connector = ReportingConnector(side.scheduler.vllm_config, side.scheduler.kv_cache_config)
             worker_connector.finished = set(finished_recving)
+            worker_connector.received = dict(received or {})
         kv_transfer_state._KV_CONNECTOR_AGENT = worker_connector
         try:
             if runner == "v1":

@@ -13,8 +13,8 @@ from vllm_kvchecksum.carrier import KVChecksumCarrier
 PULL = KVChecksumCarrier.KV_TRANSFER_PARAMS
 
 
-def connector(**extra):
-    config = make_config("kv_both", 1, 1, 16, connector_extra=extra or None)
+def connector(kind="NixlConnector", **extra):
+    config = make_config("kv_both", 1, 1, 16, connector=kind, connector_extra=extra or None)
     return KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER,
                                                KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[]))
 
@@ -43,10 +43,16 @@ def test_nixl_bidirectional_load_is_not_checksummed():
     assert c.kv_checksum_carrier(request(**params), receiving=True) is None
 
 
-def test_nixl_push_has_no_carrier_yet():
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPushConnector
+def test_nixl_push_carries_them_in_its_own_messages():
+    c = connector(kind="NixlPushConnector")
+    assert c.can_carry_kv_checksums()
+    assert c.kv_checksum_carrier(request(do_remote_decode=True), receiving=False) is KVChecksumCarrier.CONNECTOR
+    assert c.kv_checksum_carrier(request(do_remote_prefill=True), receiving=True) is KVChecksumCarrier.CONNECTOR
+    assert c.kv_checksum_carrier(request(), receiving=False) is None
 
-    assert NixlPushConnector._KV_CHECKSUM_CARRIER is None
+
+def test_default_connector_sends_no_checksums():
+    assert KVConnectorBase_V1.send_kv_checksums(None, request(), b"x") is False
 
 
 @pytest.fixture
@@ -71,3 +77,46 @@ def test_multi_connector_delegates(multi, monkeypatch):
     assert multi.kv_checksum_carrier(request(do_remote_prefill=True), receiving=True) is PULL
     multi._requests_to_connector["r"] = 0
     assert multi.kv_checksum_carrier(request(do_remote_prefill=True), receiving=True) is None
+
+
+class _Child:
+    """A sub-connector that records what MultiConnector forwards to it."""
+
+    def __init__(self, carrier, sends=True, results=None):
+        self.carrier, self.sends, self.results, self.sent = carrier, sends, results, []
+
+    def kv_checksum_carrier(self, request, receiving):
+        return self.carrier
+
+    def send_kv_checksums(self, request, checksums):
+        self.sent.append((request.request_id, checksums))
+        return self.sends
+
+    def get_transfer_results(self, finished_req_ids):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        return self.results or KVConnectorTransferResults()
+
+
+def test_multi_connector_sends_through_the_carrying_child(multi):
+    children = [_Child(None), _Child(KVChecksumCarrier.CONNECTOR), _Child(KVChecksumCarrier.CONNECTOR)]
+    multi._connectors = children
+    assert multi.send_kv_checksums(request(do_remote_decode=True), b"CS") is True
+    assert [c.sent for c in children] == [[], [("r", b"CS")], []]
+    children[1].sends = False
+    assert multi.send_kv_checksums(request(do_remote_decode=True), b"CS") is False
+    multi._connectors = [_Child(None)]
+    assert multi.send_kv_checksums(request(do_remote_decode=True), b"CS") is False
+
+
+def test_multi_connector_merges_childrens_checksums(multi):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    multi._connectors = [
+        _Child(None, results=KVConnectorTransferResults(finished_recving={"a"}, kv_checksums={"a": b"1"})),
+        _Child(None, results=KVConnectorTransferResults(finished_recving={"b"},
+                                                        kv_checksums={"b": b"2", "a": b"other"})),
+    ]
+    results = multi.get_transfer_results(set())
+    assert results.finished_recving == {"a", "b"}
+    assert results.kv_checksums == {"a": b"1", "b": b"2"}

@@ -36,6 +36,7 @@ from vllm_kvchecksum.blocks import request_blocks
 
 PROMPT = 77  # 4 full 16-token blocks and a partial one
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+NIXL_PUSH = {**NIXL, "kv_connector": "NixlPushConnector"}
 STUB = {"kv_connector": "StubLoadConnector", "kv_connector_module_path": __name__, "kv_role": "kv_both"}
 DETECTABLE = [k for k in faults.FAULT_KINDS if k != "change_tail"]
 
@@ -49,6 +50,8 @@ class StubLoadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.finished: set[str] = set()
         self.failed: set[str] = set()
+        # Checksums delivered with the loads (a connector-owned carrier).
+        self.received: dict[str, bytes] = {}
         self.bound: list = []
 
     def bind_connector_metadata(self, connector_metadata):
@@ -70,9 +73,9 @@ class StubLoadConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request, block_ids): return False, None
 
     def get_transfer_results(self, finished_req_ids):
-        done, failed = self.finished | self.failed, self.failed
-        self.finished, self.failed = set(), set()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        done, failed, received = self.finished | self.failed, self.failed, self.received
+        self.finished, self.failed, self.received = set(), set(), {}
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed, kv_checksums=received)
 
 
 # -- configs -----------------------------------------------------------------
@@ -667,27 +670,31 @@ def test_only_tp_rank_zero_of_stage_zero_injects(worker, monkeypatch, tmp_path):
 
 # -- 6. end to end: the checksums report what was injected -------------------------
 
-def runner_step(C, conn, finished=()):
+def runner_step(C, conn, finished=(), received=None):
     """One consumer engine step with the worker half in vLLM's V1 model-runner
     connector path (KVConnectorModelRunnerMixin, no forward): bind the
     metadata, get_transfer_results, then checksum_step, in vLLM's order.
-    `conn`'s stand-in child reports `finished` as loaded."""
+    `conn`'s stand-in child reports `finished` as loaded (with the
+    checksums `received`, as a connector-owned carrier delivers them)."""
     conn.sub_connectors[0].finished = set(finished)
+    conn.sub_connectors[0].received = dict(received or {})
     return pd_harness.runner_step(C, "v1", connector=conn)
 
 
-@pytest.fixture
-def drill(sides, tmp_path):
+@pytest.fixture(params=["pull", "push"])
+def drill(sides, tmp_path, request):
     """A consumer with the fault connector on both halves, a control file to
-    switch the fault kind, and a producer."""
+    switch the fault kind, and a producer; NIXL pull (checksums in
+    kv_transfer_params) or push (delivered by the workers' connector)."""
+    push = request.param == "push"
     control = tmp_path / "faults.json"
     log = tmp_path / "injections.jsonl"
     cfg = {"kinds": [], "rate": 1.0, "seed": 1, "log_path": str(log), "control_path": str(control)}
-    C = sides("kv_consumer", faults_cfg=cfg, fail_closed=True)
+    C = sides("kv_consumer", faults_cfg=cfg, fail_closed=True, connectors=[NIXL_PUSH] if push else None)
     conn = create(fault_config(faults_cfg=cfg, connectors=[STUB]), KVConnectorRole.WORKER,
                   C.scheduler.kv_cache_config)
     conn.register_kv_caches(C.workers[0].caches)
-    P = make_side("kv_producer")
+    P = make_side("kv_producer", connector=NIXL_PUSH["kv_connector"] if push else "NixlConnector")
     prompts = iter(range(100))
 
     def run(kind, num_local=0):
@@ -698,6 +705,7 @@ def drill(sides, tmp_path):
         if num_local:
             run_local(C, prompt[:num_local])
         preq, params = prefill(P, prompt)
+        carried = params.pop("kv_checksums") if push else None
         before = dict(stats(C))
         req = make_request(preq.prompt_token_ids, params=dict(params), block_size=C.block_size)
         C.scheduler.add_request(req)
@@ -706,7 +714,8 @@ def drill(sides, tmp_path):
         # The transfer; then the child reports the load finished.
         C.write_tokens(req.request_id, num_local, req.num_computed_tokens, source=P,
                        source_id=preq.request_id)
-        _, outputs = runner_step(C, conn, finished={req.request_id})
+        _, outputs = runner_step(C, conn, finished={req.request_id},
+                                 received={req.request_id: carried} if push else None)
         after = stats(C)
         [verdict] = [k for k in after if after[k] != before.get(k, 0)]
         out = outputs.get(req.request_id)

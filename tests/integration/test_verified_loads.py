@@ -1,8 +1,11 @@
-"""Verified loads: a real producer scheduler and a real consumer scheduler (NIXL pull).
+"""Verified loads: a real producer scheduler and a real consumer scheduler.
 
-Both sides run the patched vLLM Scheduler with NixlConnector's scheduler
+Both sides run the patched vLLM Scheduler with a real connector's scheduler
 half and real KVChecksumWorkers over CPU caches; see pd_harness for what
-stands in for the model and the transfer.
+stands in for the model and the transfer. The cases run for every carrier
+(the `make` fixture): NIXL pull, whose checksums ride kv_transfer_params,
+and NIXL push, whose producer scheduler ships them in its connector
+metadata and whose consumer workers report them with the finished load.
 """
 
 from __future__ import annotations
@@ -13,20 +16,28 @@ import logging
 import msgpack
 import pytest
 import torch
-from pd_harness import load, make_side, prefill, prompt_of, run_local, stats
+from vllm.v1.outputs import KVConnectorOutput
+import functools
+
+from pd_harness import CONNECTORS, load, make_side, prefill, prompt_of, run_local, stats
 
 PROMPT = 77  # 4 full 16-token blocks and a partial one
 
+
+@pytest.fixture(params=sorted(CONNECTORS))
+def make(request):
+    """make_side for the case's carrier (pull, push, ...)."""
+    return functools.partial(make_side, connector=CONNECTORS[request.param])
 
 
 @pytest.mark.parametrize("producer,consumer", [
     ((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 1), (4, 1)), ((1, 2), (1, 1)), ((1, 1), (2, 2)),
 ], ids=lambda tp_pp: f"tp{tp_pp[0]}pp{tp_pp[1]}")
-def test_correct_loads_verify_across_tp_pp(producer, consumer, logs):
+def test_correct_loads_verify_across_tp_pp(producer, consumer, logs, make):
     # At TP4 the consumer's 2 KV heads are replicated on two ranks each.
     heads = 2 if consumer[0] == 4 else 4
-    P = make_side("kv_producer", *producer, heads=heads, fail_closed=True)
-    C = make_side("kv_consumer", *consumer, heads=heads, fail_closed=True)
+    P = make("kv_producer", *producer, heads=heads, fail_closed=True)
+    C = make("kv_consumer", *consumer, heads=heads, fail_closed=True)
     preq, params = prefill(P, prompt_of(PROMPT))
     assert "kv_checksums" in params
     assert stats(P) == {"sent": 1}
@@ -36,9 +47,9 @@ def test_correct_loads_verify_across_tp_pp(producer, consumer, logs):
     assert "mismatch" not in logs.text
 
 
-def test_local_prefix_hit_compares_only_loaded_blocks(logs):
-    P = make_side("kv_producer", fail_closed=True)
-    C = make_side("kv_consumer", fail_closed=True)
+def test_local_prefix_hit_compares_only_loaded_blocks(logs, make):
+    P = make("kv_producer", fail_closed=True)
+    C = make("kv_consumer", fail_closed=True)
     prompt = prompt_of(PROMPT)
     run_local(C, prompt[:32])
     preq, params = prefill(P, prompt)
@@ -64,9 +75,9 @@ def corrupt(C):
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_corrupted_byte_fail_closed(policy, logs):
-    P = make_side("kv_producer", fail_closed=True)
-    C = make_side("kv_consumer", fail_closed=True, policy=policy)
+def test_corrupted_byte_fail_closed(policy, logs, make):
+    P = make("kv_producer", fail_closed=True)
+    C = make("kv_consumer", fail_closed=True, policy=policy)
     preq, params = prefill(P, prompt_of(PROMPT))
     result = load(C, P, preq, params, tamper=corrupt(C))
     assert stats(C) == {"mismatch": 1}
@@ -82,9 +93,9 @@ def test_corrupted_byte_fail_closed(policy, logs):
         assert not result.request.kv_transfer_params.get("do_remote_prefill")
 
 
-def test_corrupted_byte_fail_open_is_logged_and_used(logs):
-    P = make_side("kv_producer")
-    C = make_side("kv_consumer")
+def test_corrupted_byte_fail_open_is_logged_and_used(logs, make):
+    P = make("kv_producer")
+    C = make("kv_consumer")
     preq, params = prefill(P, prompt_of(PROMPT))
     result = load(C, P, preq, params, tamper=corrupt(C))
     assert stats(C) == {"mismatch": 1}
@@ -93,9 +104,9 @@ def test_corrupted_byte_fail_open_is_logged_and_used(logs):
 
 
 @pytest.mark.parametrize("policy,fail_closed", [("fail", True), ("recompute", True), ("fail", False)])
-def test_missing_checksums_are_unverified(policy, fail_closed, logs):
-    P = make_side("kv_producer")
-    C = make_side("kv_consumer", fail_closed=fail_closed, policy=policy)
+def test_missing_checksums_are_unverified(policy, fail_closed, logs, make):
+    P = make("kv_producer")
+    C = make("kv_consumer", fail_closed=fail_closed, policy=policy)
     preq, params = prefill(P, prompt_of(PROMPT))
     params.pop("kv_checksums")
     result = load(C, P, preq, params)
@@ -136,9 +147,9 @@ def skip_group(side, gid):
         w.checksums._active.remove(gid)
 
 
-def test_group_skipped_on_both_sides_is_ignored(logs):
-    P = make_side("kv_producer", sliding_window=48, fail_closed=True)
-    C = make_side("kv_consumer", sliding_window=48, fail_closed=True)
+def test_group_skipped_on_both_sides_is_ignored(logs, make):
+    P = make("kv_producer", sliding_window=48, fail_closed=True)
+    C = make("kv_consumer", sliding_window=48, fail_closed=True)
     skip_group(P, 1)
     skip_group(C, 1)
     preq, params = prefill(P, prompt_of(PROMPT))
@@ -147,9 +158,9 @@ def test_group_skipped_on_both_sides_is_ignored(logs):
 
 
 @pytest.mark.parametrize("side", ["producer", "consumer"])
-def test_group_skipped_on_one_side_is_unverified(side, logs):
-    P = make_side("kv_producer", sliding_window=48)
-    C = make_side("kv_consumer", sliding_window=48, fail_closed=True)
+def test_group_skipped_on_one_side_is_unverified(side, logs, make):
+    P = make("kv_producer", sliding_window=48)
+    C = make("kv_consumer", sliding_window=48, fail_closed=True)
     skip_group(P if side == "producer" else C, 1)
     preq, params = prefill(P, prompt_of(PROMPT))
     result = load(C, P, preq, params)
@@ -157,9 +168,9 @@ def test_group_skipped_on_one_side_is_unverified(side, logs):
     assert result.request.is_finished()
 
 
-def test_sliding_window_group_verifies_and_catches_corruption(logs):
-    P = make_side("kv_producer", sliding_window=48, fail_closed=True)
-    C = make_side("kv_consumer", sliding_window=48, fail_closed=True, policy="recompute")
+def test_sliding_window_group_verifies_and_catches_corruption(logs, make):
+    P = make("kv_producer", sliding_window=48, fail_closed=True)
+    C = make("kv_consumer", sliding_window=48, fail_closed=True, policy="recompute")
     preq, params = prefill(P, prompt_of(PROMPT))
     load(C, P, preq, params)
     assert stats(C) == {"verified": 1}, logs.text
@@ -169,9 +180,9 @@ def test_sliding_window_group_verifies_and_catches_corruption(logs):
 
 
 @pytest.mark.parametrize("bs_p,bs_c", [(16, 32), (32, 16)])
-def test_different_block_sizes(bs_p, bs_c, logs):
-    P = make_side("kv_producer", block_size=bs_p, fail_closed=True)
-    C = make_side("kv_consumer", block_size=bs_c, fail_closed=True, policy="recompute")
+def test_different_block_sizes(bs_p, bs_c, logs, make):
+    P = make("kv_producer", block_size=bs_p, fail_closed=True)
+    C = make("kv_consumer", block_size=bs_c, fail_closed=True, policy="recompute")
     preq, params = prefill(P, prompt_of(PROMPT))
     load(C, P, preq, params)
     assert stats(C) == {"verified": 1}, logs.text
@@ -180,11 +191,11 @@ def test_different_block_sizes(bs_p, bs_c, logs):
     assert stats(C) == {"verified": 1, "mismatch": 1}
 
 
-def test_unaligned_smaller_consumer_blocks_are_unverified(logs):
+def test_unaligned_smaller_consumer_blocks_are_unverified(logs, make):
     # Consumer blocks of 16 after a 16-token local hit start inside the
     # producer's first 32-token block: never a false verify.
-    P = make_side("kv_producer", block_size=32)
-    C = make_side("kv_consumer", block_size=16, fail_closed=True, policy="recompute")
+    P = make("kv_producer", block_size=32)
+    C = make("kv_consumer", block_size=16, fail_closed=True, policy="recompute")
     prompt = prompt_of(PROMPT)
     run_local(C, prompt[:16])
     preq, params = prefill(P, prompt)
@@ -210,3 +221,74 @@ def test_checksums_off_adds_nothing():
     preq, params = prefill(P, prompt_of(PROMPT))
     assert "kv_checksums" not in params
 
+
+
+@pytest.mark.parametrize("bad", [
+    b"", b"\xc1", nested(5000), msgpack.packb([2, [1, 1, []]]), b"\x92" + b"\x01" * 64,
+], ids=["empty", "bad-msgpack", "deep", "version-2", "junk"])
+def test_malformed_connector_checksums_never_raise(bad, logs):
+    """Bytes a connector-owned carrier delivers come from another host."""
+    P = make_side("kv_producer", connector=CONNECTORS["push"])
+    C = make_side("kv_consumer", connector=CONNECTORS["push"], fail_closed=True, policy="recompute")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    params["kv_checksums"] = bad
+    result = load(C, P, preq, params)
+    assert stats(C) == {"unverified": 1}
+    assert "connector message" in logs.text
+    assert result.next_scheduled == PROMPT
+
+
+def changed_value(payload: bytes) -> bytes:
+    """The payload with block position 2 of group 0 changed."""
+    from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
+
+    decoded = KVChecksumPayload.from_bytes(payload)
+    group = decoded.groups[0]
+    values = group.values.copy()
+    values[2] ^= 1
+    groups = {**decoded.groups, 0: PayloadGroup(group.fingerprint, group.block_size, group.start, values)}
+    return KVChecksumPayload(decoded.num_tokens, decoded.producer_tp_size, groups).to_bytes()
+
+
+def test_connector_checksums_first_copy_is_kept(logs):
+    """Several workers deliver a load's checksums: the first copy counts
+    (here it is wrong, so the load is a mismatch though later copies are right)."""
+    P = make_side("kv_producer", connector=CONNECTORS["push"], tp=2)
+    C = make_side("kv_consumer", connector=CONNECTORS["push"], tp=2)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    good = params.pop("kv_checksums")
+    wrong = changed_value(good)
+    from pd_harness import make_request
+
+    req = make_request(preq.prompt_token_ids, params=params, block_size=C.block_size)
+    C.scheduler.add_request(req)
+    C.step()
+    C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
+    out = C.scheduler.schedule()
+    from vllm_kvchecksum.runner import checksum_step
+
+    outputs = []
+    for w, copy in zip(C.workers, (wrong, good)):
+        checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, {req.request_id},
+                                  received={req.request_id: copy})
+        outputs.append(C.runner_output(out, KVConnectorOutput(finished_recving={req.request_id},
+                                                              kv_checksums=checksums)))
+    C.update(out, C.aggregator.aggregate(outputs, 0))
+    assert stats(C) == {"mismatch": 1}, logs.text
+
+
+def test_received_checksums_of_a_params_carried_load_are_ignored(logs):
+    """A pull load compares with its kv_transfer_params; bytes a worker
+    reports for it (a misbehaving connector) change nothing."""
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=True)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    wrong = changed_value(base64.b64decode(params["kv_checksums"]))
+    from pd_harness import make_request
+
+    req = make_request(preq.prompt_token_ids, params=dict(params), block_size=C.block_size)
+    C.scheduler.add_request(req)
+    C.step()
+    C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
+    C.step(finished_recving={req.request_id}, received={req.request_id: wrong})
+    assert stats(C) == {"verified": 1}, logs.text
