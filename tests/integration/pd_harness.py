@@ -48,7 +48,7 @@ init_none_hash(sha256)
 # The connectors the verified-loads cases run with, by mode. Pull carries the
 # checksums in kv_transfer_params; the others in their own messages
 # (KVChecksumCarrier.CONNECTOR).
-CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector"}
+CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector", "mooncake": "MooncakeConnector"}
 
 
 def mode_of(side: Side) -> str:
@@ -68,6 +68,8 @@ def connector_carried(producer: Side, out, request_id: str) -> bytes | None:
     meta = out.kv_connector_metadata
     if mode_of(producer) == "push":
         return meta.push_finished_kv_checksums.get(request_id)
+    if mode_of(producer) == "mooncake":
+        return meta.kv_checksums.get(request_id)
     raise AssertionError(f"{mode_of(producer)} carries no checksums in its metadata")
 
 
@@ -337,14 +339,25 @@ def prefill(producer: Side, prompt: list[int]) -> tuple[Request, dict]:
     to the consumer's workers as their connector would: a test drops or
     changes them the same way in every mode.
     """
+    mode = mode_of(producer)
     req = make_request(prompt, remote_decode=True, block_size=producer.block_size)
+    if mode == "mooncake":
+        # The router's transfer id, on both legs.
+        req.kv_transfer_params["transfer_id"] = f"xfer-{req.request_id}"
     producer.scheduler.add_request(req)
     forward = forward_of(producer, req)
     for _ in range(8):
         _, outputs = producer.step(forward=forward)
+        if mode == "mooncake" and req.request_id in outputs and req.is_finished():
+            # Mooncake returns no params: the consumer's come from the
+            # router, sent at the same time as the producer's.
+            assert outputs[req.request_id].kv_transfer_params is None
+            outputs[req.request_id].kv_transfer_params = dict(
+                do_remote_prefill=True, do_remote_decode=False, remote_engine_id="producer",
+                remote_bootstrap_addr="http://127.0.0.1:9", transfer_id=req.kv_transfer_params["transfer_id"])
         if req.request_id in outputs and outputs[req.request_id].kv_transfer_params is not None:
             params = dict(outputs[req.request_id].kv_transfer_params)
-            if mode_of(producer) != "pull":
+            if mode != "pull":
                 assert "kv_checksums" not in params
                 out, _ = producer.step()
                 carried = connector_carried(producer, out, req.request_id)

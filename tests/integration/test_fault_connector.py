@@ -747,3 +747,18 @@ def test_drill_after_a_local_prefix_hit(drill):
     verdict, stop_reason, [record] = drill("flip_bit", num_local=32)
     assert verdict == "mismatch" and record["positions"][0] >= 2
     assert stop_reason.endswith(f"(group 0 blocks {sorted(record['positions'])})")
+
+
+def test_every_worker_drops_connector_delivered_checksums(worker, monkeypatch, tmp_path):
+    """drop_checksums with a connector-owned carrier: any worker's copy
+    reaches the scheduler, so every worker drops its own (one records it)."""
+    for ranks in [(0, 0), (1, 0), (0, 1)]:
+        monkeypatch.setattr(fc, "_parallel_ranks", lambda ranks=ranks: ranks)
+        conn, _ = worker()
+        bind_plans(conn, {"r1": plan_of("drop_checksums")})
+        conn.sub_connectors[0].received = {"r1": b"CS", "r2": b"other"}
+        results = finish(conn, finished={"r1", "r2"})
+        assert results.kv_checksums == {"r2": b"other"}, ranks
+    [record] = read_records(tmp_path / "injections.jsonl")
+    assert (record["kind"], record["side"], record["skipped"], record["expect"]) == \
+        ("drop_checksums", "worker", None, "unverified")

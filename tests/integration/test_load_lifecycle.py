@@ -238,3 +238,21 @@ def test_load_finishing_in_the_step_it_starts_is_checksummed_once():
     assert set(out.records[0].requests) == {"r"}
     assert checksum_step(worker, scheduled, None, recvs=False) is None
     assert worker.pending_load_ids == set()
+
+
+def test_received_checksums_are_kept_only_for_this_workers_pending_loads():
+    """A connector-owned carrier's bytes come from another host: a worker
+    keeps those of loads it waits for (bytes only), with or before the load
+    finishing, and drops the rest."""
+    worker = make_side("kv_consumer").workers[0].checksums
+    checksum_step(worker, KVChecksumScheduled(reqs_to_recv={"r": blocks(2), "s": blocks(1)}), None)
+    # Before the load finishes: a record with the received bytes only.
+    out = checksum_step(worker, None, None, received={"r": b"R", "unknown": b"U", "s": "not bytes"})
+    [record] = out.records
+    assert record.received == {"r": b"R"} and record.requests == {}
+    # With the load: the same record as its checksums.
+    out = checksum_step(worker, None, {"s"}, received={"s": b"S"})
+    [record] = out.records
+    assert record.received == {"s": b"S"} and set(record.requests) == {"s"}
+    # Nothing for loads the worker does not wait for.
+    assert checksum_step(worker, None, None, received={"unknown": b"U"}) is None
