@@ -77,12 +77,13 @@ def _carrier_name(connector) -> str:
     """How the connector carries a producer request's checksums, for the startup log.
 
     Asked with a stand-in for a P/D producer request (connectors decide from
-    its kv_transfer_params); "decided per request" when the answer needs more.
+    its kv_transfer_params: the P/D flag, and the transfer id Mooncake's
+    router always sets); "decided per request" when the answer needs more.
     """
 
     class _Probe:
         request_id = "kv-checksum-startup-probe"
-        kv_transfer_params = {"do_remote_decode": True}
+        kv_transfer_params = {"do_remote_decode": True, "transfer_id": "kv-checksum-startup-probe"}
 
     try:
         carrier = connector.kv_checksum_carrier(_Probe(), False)

@@ -3,8 +3,9 @@
     .venv/bin/python -m kvcs_demo            (with scripts/ on PYTHONPATH; `make demo` does this)
 
 Starts real OpenAI-compatible vLLM servers of the patched tree (producers and
-consumers over NIXL: NixlConnector, or NixlPushConnector with --mode push;
-UCX on loopback on CPU) and the project's own
+consumers over NIXL: NixlConnector, or NixlPushConnector with --mode push,
+UCX on loopback on CPU; or MooncakeConnector with --mode mooncake, the
+Mooncake Transfer Engine over TCP on loopback) and the project's own
 P/D proxy, each a separate process in its own process group; waits on their
 health endpoints; then, per setup (see setups.py), runs a clean phase and one
 phase per fault kind, with the consumer's fault-injecting connector
@@ -40,7 +41,7 @@ import httpx
 from kvcs_demo import prom
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_transfer_config, make_models,
-                              push_target, server_argv, server_env)
+                              mooncake_bootstrap, push_target, server_argv, server_env)
 
 FAULT_KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
                "misplace_block", "change_tail", "drop_checksums")
@@ -439,6 +440,11 @@ def server_specs(setups: list[Setup], device: str, work: Path, python: str) -> d
         for role, side in (("kv_producer", "producer"), ("kv_consumer", "consumer")):
             port = free_port_block(1)
             side_port = free_port_block(8)  # NIXL side channel: base port + rank
+            # Mooncake: the producer's worker serves the bootstrap server on
+            # this port (all interfaces); each producer has its own.
+            bootstrap = free_port_block(1) if s.mode == "mooncake" and role == "kv_producer" else None
+            if bootstrap is not None:
+                s.bootstrap_port = bootstrap
             if role == "kv_consumer" and s.faults:
                 s.control_path = work / f"{s.name}.faults.json"
                 s.injections_path = work / f"{s.name}.injections.jsonl"
@@ -454,7 +460,8 @@ def server_specs(setups: list[Setup], device: str, work: Path, python: str) -> d
             s.side_ports[side] = side_port
             specs.setdefault(s.name, []).append(ServerSpec(
                 f"{s.name}-{side}", server_argv(python, s, role, port, device, kv),
-                server_env(device, side_port, gpus) | {"PYTHONUNBUFFERED": "1"}, port, s.logs[side]))
+                server_env(device, side_port, gpus, mode=s.mode, bootstrap_port=bootstrap)
+                | {"PYTHONUNBUFFERED": "1"}, port, s.logs[side]))
     return specs
 
 
@@ -465,6 +472,10 @@ def start_proxy(group: ProcessGroup, setups: list[Setup], work: Path, python: st
         # Both legs at once; the consumer leg carries the producer's NIXL
         # coordinates (proxy.py says why).
         pairs += ["--mode=push", *(f"--push-target={push_target(s)}" for s in setups)]
+    elif any(s.mode == "mooncake" for s in setups):
+        # Both legs at once with one transfer id; the proxy asks each
+        # producer's bootstrap server for its engine id (proxy.py says why).
+        pairs += ["--mode=mooncake", *(f"--bootstrap={mooncake_bootstrap(s)}" for s in setups)]
     return group.start(ServerSpec("proxy", [python, "-m", "kvcs_demo.proxy", "--port", str(port), *pairs],
                                   {"PYTHONPATH": str(ROOT / "scripts"), "PYTHONUNBUFFERED": "1"}, port,
                                   work / "proxy.log"))
@@ -577,9 +588,11 @@ def parse_args(argv=None):
     p.add_argument("--setups", help="comma-separated setup names to run (default: all)")
     p.add_argument("--producer-tp", type=int, default=1, help="tensor parallel size of the producers (CPU)")
     p.add_argument("--mode", choices=MODES, default="pull",
-                   help="NIXL mode (pull: NixlConnector, the consumer READs the KV after the producer answered; "
+                   help="connector mode (pull: NixlConnector, the consumer READs the KV after the producer answered; "
                         "push: NixlPushConnector, the consumer registers its blocks and the producer WRITEs into "
-                        "them, the proxy sending both legs at once; no hostile client)")
+                        "them, the proxy sending both legs at once; mooncake: MooncakeConnector over TCP, both legs "
+                        "at once with one transfer id, needs mooncake-transfer-engine(-non-cuda); push and "
+                        "mooncake run no hostile client)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=os.environ.get("VLLM_DEVICE") or "cpu")
     p.add_argument("--ttft-requests", type=int, default=20, help="TTFT requests each with checksums on and off "
                    "(0: skip the baseline pair)")
@@ -670,6 +683,10 @@ def main(argv=None) -> int:
             # push mode carries them in the WRITE's notification instead.
             log("hostile client: not run in push mode (its forged kv_checksums ride kv_transfer_params, which "
                 "push mode does not carry checksums in)")
+        elif args.mode == "mooncake" and not args.no_hostile:
+            # The same: Mooncake carries them in the transfer's response.
+            log("hostile client: not run in mooncake mode (its forged kv_checksums ride kv_transfer_params, which "
+                "mooncake mode does not carry checksums in)")
         elif not args.no_hostile:
             target = next((s for s in checked if s.fail_closed and s.name not in errors), None)
             if target is not None:

@@ -31,8 +31,29 @@ WRITE's notification). The producer's answer is checked (200, a push
 producer with the engine id the consumer registered with); if it is not
 right the consumer leg is cancelled, which aborts its request.
 
+`--mode mooncake` (MooncakeConnector on both servers, P2P; one `--bootstrap`
+per pair: the producer's bootstrap server, which its worker starts on
+VLLM_MOONCAKE_BOOTSTRAP_PORT) follows upstream's router
+(examples/disaggregated/mooncake_connector/mooncake_connector_proxy.py).
+At startup the proxy asks each producer's bootstrap server
+(`GET <bootstrap>/query`) for the engine id of DP rank 0, again and again
+until the producer's worker has registered (it may not have right after
+/health); a completion that comes first waits for it (at most `--timeout`,
+then 503 for the prefill leg, no leg sent). Per completion it picks a
+transfer id `xfer-<uuid>` and sends both legs at once, with the same
+`X-Request-Id`: the producer's with `do_remote_decode` and the transfer id,
+the consumer's with `do_remote_prefill`, `remote_bootstrap_addr`,
+`remote_engine_id` and the transfer id. The consumer asks the producer's
+worker for the transfer by that id; the producer sends the KV (and the
+checksums, on the transfer's response) once its request finished by length
+(`max_tokens: 1`), and returns no kv_transfer_params. The producer's answer
+is checked (200, finish_reason "length"): if it is not right the consumer
+leg is cancelled, which aborts its request (else it would wait for KV that
+is never sent until VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT).
+
 Response headers: `X-KVCS-Request-Id` (the id both legs carry; in pull mode
-the producer leg's `X-Request-Id` is `<id>-prefill`, in push mode `<id>`),
+the producer leg's `X-Request-Id` is `<id>-prefill`, in push and mooncake
+mode `<id>`),
 and `X-KVCS-Failed-Leg: prefill|decode` when a leg failed. Errors the proxy
 makes itself are OpenAI-style JSON `{"error": {"message", "type", "code"}}`
 and name the leg and the URL.
@@ -58,12 +79,17 @@ MAX_BODY_BYTES = 1024 * 1024
 # anything near this bound is not a completion.
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 LEG_TIMEOUT_S = 120.0
+# Mooncake bootstrap /query: pauses between attempts (doubling up to the
+# second value), each attempt's timeout, and the largest answer read.
+BOOTSTRAP_RETRY_S = (0.25, 1.0)
+BOOTSTRAP_QUERY_TIMEOUT_S = 5.0
+MAX_BOOTSTRAP_ANSWER_BYTES = 1024 * 1024
 
 REQUEST_ID = "X-Request-Id"
 KVCS_REQUEST_ID = "X-KVCS-Request-Id"
 FAILED_LEG = "X-KVCS-Failed-Leg"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
-MODES = ("pull", "push")
+MODES = ("pull", "push", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -94,12 +120,14 @@ class PushTarget:
 @dataclass(frozen=True)
 class Pair:
     """A producer (prefill) server and a consumer (decode) server, by base URL;
-    in push mode also the producer's NIXL coordinates."""
+    in push mode also the producer's NIXL coordinates, in mooncake mode the
+    base URL of the producer's bootstrap server."""
 
     name: str
     producer: str
     consumer: str
     push: PushTarget | None = None
+    bootstrap: str | None = None
 
 
 def parse_pair(text: str) -> Pair:
@@ -162,6 +190,43 @@ def with_push_targets(pairs: list[Pair], targets: list[tuple[str, PushTarget]]) 
     return [replace(p, push=by_name[p.name]) for p in pairs]
 
 
+def parse_bootstrap(text: str) -> tuple[str, str]:
+    """`NAME=BOOTSTRAP_URL` -> (pair name, the URL without a trailing slash)."""
+    name, sep, url = text.partition("=")
+    url = url.strip().rstrip("/")
+    if not sep or not url:
+        raise ValueError(f"--bootstrap {text!r}: expected NAME=BOOTSTRAP_URL (http://HOST:PORT)")
+    if not _NAME_RE.match(name):
+        raise ValueError(f"--bootstrap {text!r}: name {name!r} must match {_NAME_RE.pattern}")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--bootstrap {text!r}: {url!r} is not an http(s) URL")
+    return name, url
+
+
+def with_bootstraps(pairs: list[Pair], bootstraps: list[tuple[str, str]]) -> list[Pair]:
+    """The pairs, each with its producer's bootstrap URL (every pair needs exactly one)."""
+    by_name: dict[str, str] = {}
+    for name, url in bootstraps:
+        if name in by_name:
+            raise ValueError(f"--bootstrap: two bootstrap servers for pair {name!r}")
+        by_name[name] = url
+    unknown = sorted(set(by_name) - {p.name for p in pairs})
+    if unknown:
+        raise ValueError(f"--bootstrap for unknown pair(s) {unknown}; pairs: {[p.name for p in pairs]}")
+    missing = [p.name for p in pairs if p.name not in by_name]
+    if missing:
+        raise ValueError(f"--mode mooncake needs a --bootstrap for every pair; missing: {missing}")
+    return [replace(p, bootstrap=by_name[p.name]) for p in pairs]
+
+
+def engine_id_of(answer: object) -> str | None:
+    """The engine id of DP rank 0 in a bootstrap server's /query answer
+    ({"0": {"engine_id": ..., "worker_addr": {...}}}), None if none yet."""
+    entry = answer.get("0") if isinstance(answer, dict) else None
+    engine_id = entry.get("engine_id") if isinstance(entry, dict) else None
+    return engine_id if isinstance(engine_id, str) and engine_id else None
+
+
 # ------------------------------------------------------------------ responses
 
 
@@ -214,8 +279,13 @@ class Proxy:
         if mode == "push" and any(p.push is None for p in pairs):
             raise ValueError("push mode needs the producer's NIXL coordinates (--push-target) of pairs "
                              f"{[p.name for p in pairs if p.push is None]}")
-        if mode == "pull" and any(p.push is not None for p in pairs):
+        if mode != "push" and any(p.push is not None for p in pairs):
             raise ValueError("--push-target is for --mode push only")
+        if mode == "mooncake" and any(p.bootstrap is None for p in pairs):
+            raise ValueError("mooncake mode needs the producer's bootstrap server (--bootstrap) of pairs "
+                             f"{[p.name for p in pairs if p.bootstrap is None]}")
+        if mode != "mooncake" and any(p.bootstrap is not None for p in pairs):
+            raise ValueError("--bootstrap is for --mode mooncake only")
         self.mode = mode
         self.pairs = {p.name: p for p in pairs}
         self.default = pairs[0]
@@ -223,17 +293,88 @@ class Proxy:
         self.max_body_bytes = max_body_bytes
         self.max_response_bytes = max_response_bytes
         self.session: ClientSession | None = None
+        # Mooncake mode: each pair's producer engine id (DP rank 0), set once
+        # its bootstrap server names it; what the last /query gave until then.
+        self.engines: dict[str, str] = {}
+        self._engine_known: dict[str, asyncio.Event] = {}
+        self._bootstrap_state: dict[str, str] = {}
 
     async def session_ctx(self, app: web.Application):
         # No trust_env: the servers are local, an http_proxy variable must not
         # route the legs elsewhere.
         self.session = ClientSession(connector=TCPConnector(limit=256),
                                      timeout=ClientTimeout(total=self.leg_timeout))
+        lookups = []
+        if self.mode == "mooncake":
+            for pair in self.pairs.values():
+                self._engine_known[pair.name] = asyncio.Event()
+                self._bootstrap_state[pair.name] = "not asked yet"
+                lookups.append(asyncio.ensure_future(self._find_engine(pair)))
         yield
+        for task in lookups:
+            task.cancel()
+        await asyncio.gather(*lookups, return_exceptions=True)
         await self.session.close()
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.mode == "mooncake":
+            # Each pair's producer engine id, null until its bootstrap server named it.
+            return web.json_response({"status": "ok", "pairs": list(self.pairs),
+                                      "engines": {n: self.engines.get(n) for n in self.pairs}})
         return web.json_response({"status": "ok", "pairs": list(self.pairs)})
+
+    async def _find_engine(self, pair: Pair) -> None:
+        """Mooncake mode: ask the producer's bootstrap server for its engine id
+        until it names one (the producer's worker registers once its KV caches
+        are set up; the server may not even listen before that)."""
+        assert self.session is not None and pair.bootstrap is not None
+        url = f"{pair.bootstrap}/query"
+        pause, longest = BOOTSTRAP_RETRY_S
+        while True:
+            try:
+                async with self.session.get(url, timeout=ClientTimeout(total=BOOTSTRAP_QUERY_TIMEOUT_S)) as resp:
+                    raw = await resp.content.read(MAX_BOOTSTRAP_ANSWER_BYTES + 1)
+                    if resp.status != 200:
+                        state = f"HTTP {resp.status}"
+                    else:
+                        try:
+                            engine_id = engine_id_of(json.loads(raw))
+                        except (ValueError, UnicodeDecodeError, RecursionError):
+                            engine_id = None
+                        if engine_id is not None:
+                            self.engines[pair.name] = engine_id
+                            self._engine_known[pair.name].set()
+                            log.info("pair %s: producer engine %s (DP rank 0), from %s", pair.name, engine_id,
+                                     url)
+                            return
+                        state = f"no engine for DP rank 0 yet (answer {raw[:200].decode('utf-8', 'replace')!r})"
+            except asyncio.CancelledError:
+                raise
+            except (ClientError, asyncio.TimeoutError, OSError) as e:
+                state = f"no answer ({type(e).__name__}: {e})"
+            except Exception as e:  # keep asking: the pair is useless without it
+                log.exception("pair %s: asking %s failed", pair.name, url)
+                state = f"error ({e!r})"
+            self._bootstrap_state[pair.name] = state
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, longest)
+
+    async def _engine_of(self, pair: Pair, request_id: str) -> str:
+        """Mooncake mode: the pair's producer engine id, waiting for it at most
+        the leg timeout (_LegFailed with a 503 for the prefill leg)."""
+        known = self.engines.get(pair.name)
+        if known is not None:
+            return known
+        try:
+            await asyncio.wait_for(self._engine_known[pair.name].wait(), self.leg_timeout)
+        except asyncio.TimeoutError:
+            raise _LegFailed(_error(
+                503, f"prefill leg: the Mooncake bootstrap server of pair {pair.name!r} "
+                     f"({pair.bootstrap}/query) named no producer engine for DP rank 0 within "
+                     f"{self.leg_timeout:g} s (--timeout); last: {self._bootstrap_state[pair.name]}. Is the "
+                     "producer a MooncakeConnector kv_producer started with VLLM_MOONCAKE_BOOTSTRAP_PORT of "
+                     "that URL?", leg="prefill", request_id=request_id)) from None
+        return self.engines[pair.name]
 
     async def completions_default(self, request: web.Request) -> web.Response:
         return await self._completion(request, self.default)
@@ -247,7 +388,7 @@ class Proxy:
 
     async def _completion(self, request: web.Request, pair: Pair) -> web.Response:
         request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
-        legs = self._push_legs if self.mode == "push" else self._two_legs
+        legs = {"push": self._push_legs, "mooncake": self._mooncake_legs}.get(self.mode, self._two_legs)
         try:
             response = await legs(request, pair, request_id)
         except _LegFailed as e:
@@ -350,6 +491,39 @@ class Proxy:
         prefill = self._prefill_request(body)
         decode = dict(body)
         decode["kv_transfer_params"] = pair.push.decode_params(request_id)
+        return await self._legs_at_once(pair, request_id, prefill, decode, self._push_producer_problem)
+
+    async def _mooncake_legs(self, request: web.Request, pair: Pair,
+                             request_id: str) -> web.Response:
+        """Mooncake mode: both legs at once, with the same X-Request-Id and
+        one transfer id (upstream's mooncake_connector_proxy.py).
+
+        The consumer asks the producer's worker (found through the bootstrap
+        server at remote_bootstrap_addr) for the transfer by its id and
+        waits; the producer's worker sends the KV once the producer's
+        request finished by length. Either leg may come first.
+        """
+        body = await self._read_completion(request, request_id)
+        if isinstance(body, web.Response):
+            return body
+        assert pair.bootstrap is not None
+        engine_id = await self._engine_of(pair, request_id)
+        transfer_id = f"xfer-{uuid.uuid4().hex}"
+        prefill = self._prefill_request(body)
+        prefill["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                         "transfer_id": transfer_id}
+        decode = dict(body)
+        decode["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True,
+                                        "remote_bootstrap_addr": pair.bootstrap,
+                                        "remote_engine_id": engine_id, "transfer_id": transfer_id}
+        return await self._legs_at_once(pair, request_id, prefill, decode, self._mooncake_producer_problem)
+
+    async def _legs_at_once(self, pair: Pair, request_id: str, prefill: dict, decode: dict,
+                            producer_problem) -> web.Response:
+        """Push and mooncake mode: the consumer leg goes out together with the
+        producer leg; the producer's answer is checked by
+        `producer_problem(pair, url, body)` (a reason the KV will not reach
+        the consumer, or None)."""
         p_url = f"{pair.producer}/v1/completions"
         c_url = f"{pair.consumer}/v1/completions"
         decode_leg = asyncio.ensure_future(self._post(
@@ -359,19 +533,41 @@ class Proxy:
                 "prefill", p_url, prefill, request_id, request_id)
             if status != 200:
                 return _passthrough(status, p_body, p_type, request_id, "prefill")
-            problem = self._push_producer_problem(pair, p_url, p_body)
+            problem = producer_problem(pair, p_url, p_body)
             if problem:
                 return _error(502, problem, leg="prefill", request_id=request_id)
             status, c_body, c_type = await decode_leg
             return _passthrough(status, c_body, c_type, request_id,
                                 None if status == 200 else "decode")
         finally:
-            # A consumer leg still waiting for a WRITE that will not come
-            # (the prefill failed) is cancelled: its connection closes and
-            # the consumer aborts the request. Its outcome, if any, is
+            # A consumer leg still waiting for KV that will not come (the
+            # prefill failed) is cancelled: its connection closes and the
+            # consumer aborts the request. Its outcome, if any, is
             # collected so no exception is left unretrieved.
             decode_leg.cancel()
             await asyncio.gather(decode_leg, return_exceptions=True)
+
+    @staticmethod
+    def _mooncake_producer_problem(pair: Pair, p_url: str, p_body: bytes) -> str | None:
+        """Why the producer's 200 answer means its worker sends no KV for the
+        transfer (None: it does). A Mooncake producer returns no
+        kv_transfer_params, so what tells is how the request finished:
+        Mooncake sends only for requests that finished by length."""
+        try:
+            answer = json.loads(p_body)
+            choices = answer.get("choices")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            return (f"producer of pair {pair.name!r} ({p_url}) answered 200 with a body that "
+                    "is not a JSON object")
+        where = f"producer of pair {pair.name!r} ({p_url})"
+        first = choices[0] if isinstance(choices, list) and choices else None
+        finish = first.get("finish_reason") if isinstance(first, dict) else None
+        if finish != "length":
+            return (f"{where} finished its prefill with finish_reason {finish!r}, not 'length': "
+                    "MooncakeConnector sends the KV only of a request that stopped at max_tokens (the "
+                    "prefill leg's 1), so the consumer would wait for it until "
+                    "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT")
+        return None
 
     @staticmethod
     def _push_producer_problem(pair: Pair, p_url: str, p_body: bytes) -> str | None:
@@ -449,14 +645,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                     help="largest client body accepted (default %(default)s)")
     ap.add_argument("--mode", choices=MODES, default="pull",
-                    help="NIXL mode of the servers: pull (NixlConnector: producer leg, then "
-                         "the consumer leg with the producer's kv_transfer_params) or push "
-                         "(NixlPushConnector: both legs at once; needs --push-target)")
+                    help="connector mode of the servers: pull (NixlConnector: producer leg, then "
+                         "the consumer leg with the producer's kv_transfer_params), push "
+                         "(NixlPushConnector: both legs at once; needs --push-target) or mooncake "
+                         "(MooncakeConnector: both legs at once with one transfer id; needs --bootstrap)")
     ap.add_argument("--push-target", action="append", default=[],
                     metavar="NAME=ENGINE_ID,HOST:PORT[,TP[,PP]]",
                     help="push mode, once per pair: the producer's NIXL engine id "
                          "(kv_transfer_config engine_id), side channel host and port, "
                          "TP and PP sizes (default 1)")
+    ap.add_argument("--bootstrap", action="append", default=[], metavar="NAME=URL",
+                    help="mooncake mode, once per pair: the producer's bootstrap server "
+                         "(http://HOST:VLLM_MOONCAKE_BOOTSTRAP_PORT)")
     args = ap.parse_args(argv)
     try:
         pairs = [parse_pair(p) for p in args.pair]
@@ -464,6 +664,10 @@ def main(argv: list[str] | None = None) -> None:
             pairs = with_push_targets(pairs, [parse_push_target(t) for t in args.push_target])
         elif args.push_target:
             raise ValueError("--push-target is for --mode push only")
+        if args.mode == "mooncake":
+            pairs = with_bootstraps(pairs, [parse_bootstrap(b) for b in args.bootstrap])
+        elif args.bootstrap:
+            raise ValueError("--bootstrap is for --mode mooncake only")
         app = build_app(pairs, leg_timeout=args.timeout, max_body_bytes=args.max_body_bytes,
                         mode=args.mode)
     except ValueError as e:
@@ -472,7 +676,8 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     routes = ", ".join(f"{p.name}: {p.producer} -> {p.consumer}" + (
         f" (push: engine {p.push.engine_id} at {p.push.host}:{p.push.port}, TP {p.push.tp_size}, "
-        f"PP {p.push.pp_size})" if p.push else "") for p in pairs)
+        f"PP {p.push.pp_size})" if p.push else "") + (
+        f" (mooncake: bootstrap {p.bootstrap})" if p.bootstrap else "") for p in pairs)
     # shutdown_timeout: on SIGTERM (the demo's stop) in-flight legs get 5 s,
     # well inside the demo's 20 s before SIGKILL.
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=5,

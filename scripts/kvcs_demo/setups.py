@@ -26,15 +26,22 @@ MAX_MODEL_LEN = 512
 
 # Policy name -> (kv_checksum_fail_closed, kv_load_failure_policy).
 POLICIES = {"fail": (True, "fail"), "recompute": (True, "recompute"), "open": (False, "fail")}
-# NIXL mode -> the connector both servers run. pull: the consumer READs the
-# KV after the producer answered; push: the consumer registers its blocks
-# with the producer, which WRITEs the KV into them (nixl/push_*.py).
-CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector"}
-MODES = tuple(CONNECTORS)  # the carriers issue adds "mooncake" here
+# Mode -> the connector both servers run. pull: the consumer READs the KV
+# over NIXL after the producer answered; push: the consumer registers its
+# blocks with the producer, which WRITEs the KV into them over NIXL
+# (nixl/push_*.py); mooncake: Mooncake P2P (mooncake/mooncake_connector.py),
+# the consumer pulls the KV by a transfer id the proxy gives both legs.
+CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector", "mooncake": "MooncakeConnector"}
+MODES = tuple(CONNECTORS)
 # The producers' NIXL side channel host: vLLM's default
 # (VLLM_NIXL_SIDE_CHANNEL_HOST), which the demo does not change. Push mode
 # hands it to the consumers (through the proxy) before the producer answers.
 NIXL_SIDE_CHANNEL_HOST = "localhost"
+# Mooncake mode: the Transfer Engine over TCP (no RDMA device here), and
+# every address the servers publish on loopback: without VLLM_HOST_IP,
+# vLLM's get_ip() picks the host's first non-loopback address.
+MOONCAKE_PROTOCOL = "tcp"
+MOONCAKE_HOST = "127.0.0.1"
 
 
 @dataclass
@@ -49,11 +56,12 @@ class Setup:
     faults: bool = True  # the consumer wraps its connector in the fault-injecting one
     producer_tp: int = 1
     consumer_tp: int = 1
-    mode: str = "pull"  # a MODES key: the NIXL mode of both servers
+    mode: str = "pull"  # a MODES key: the connector mode of both servers
     # Set when the servers start.
     urls: dict[str, str] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
     side_ports: dict[str, int] = field(default_factory=dict)  # NIXL side channel base port
+    bootstrap_port: int | None = None  # mooncake mode: the producer's bootstrap server
     control_path: Path | None = None
     injections_path: Path | None = None
 
@@ -113,11 +121,26 @@ def push_target(setup: Setup) -> str:
             f"{setup.producer_tp}")
 
 
+def bootstrap_url(setup: Setup) -> str:
+    """Mooncake mode: the producer's bootstrap server (its worker serves
+    /register and /query on VLLM_MOONCAKE_BOOTSTRAP_PORT, all interfaces)."""
+    return f"http://{MOONCAKE_HOST}:{setup.bootstrap_port}"
+
+
+def mooncake_bootstrap(setup: Setup) -> str:
+    """The proxy's --bootstrap of the pair (mooncake mode)."""
+    return f"{setup.name}={bootstrap_url(setup)}"
+
+
 def kv_transfer_config(setup: Setup, role: str, device: str, *, control_path: Path | None = None,
                        injections_path: Path | None = None, seed: int = 0) -> dict:
     """The --kv-transfer-config of one server of the pair."""
-    nixl = {"kv_connector": CONNECTORS[setup.mode], "kv_role": role}
-    if device == "cpu":
+    nixl = {"kv_connector": CONNECTORS[setup.mode], "kv_role": role}  # the transfer connector (NIXL or not)
+    if setup.mode == "mooncake":
+        # No kv_buffer_device: MooncakeConnector does not read it (it
+        # registers the KV caches themselves with its Transfer Engine).
+        nixl["kv_connector_extra_config"] = {"mooncake_protocol": MOONCAKE_PROTOCOL}
+    elif device == "cpu":
         nixl["kv_buffer_device"] = "cpu"
     config: dict = dict(nixl)
     if setup.mode == "push" and role == "kv_producer":
@@ -156,9 +179,17 @@ def server_argv(python: str, setup: Setup, role: str, port: int, device: str, kv
     return argv
 
 
-def server_env(device: str, side_channel_port: int, gpus: list[int] | None = None) -> dict[str, str]:
+def server_env(device: str, side_channel_port: int, gpus: list[int] | None = None, *, mode: str = "pull",
+               bootstrap_port: int | None = None) -> dict[str, str]:
+    """The environment of one server. Mooncake mode adds VLLM_HOST_IP (both
+    servers) and, on the producer (bootstrap_port), the port of the bootstrap
+    server its worker starts; pull and push get neither."""
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port), "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "INFO"}
+    if mode == "mooncake":
+        env["VLLM_HOST_IP"] = MOONCAKE_HOST
+        if bootstrap_port is not None:
+            env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap_port)
     if device == "cpu":
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # servers share 2 cores; binding would pin them all to one
         # One OpenMP thread per server: several servers' idle OpenMP threads

@@ -22,8 +22,9 @@ from kvcs_demo import demo, prom
 from kvcs_demo.demo import (FAULT_KINDS, PhaseResult, RequestResult, build_report, checksum_counts, choose_setups,
                             diff, expected_verdict, injections_for, judge, loads_in, parse_args,
                             positions_from_client_error, positions_from_log, print_table, verdict_of)
-from kvcs_demo.setups import (BLOCK_SIZE, CPU_SITE, MAX_MODEL_LEN, MODES, ROOT, Setup, cpu_setups, gpu_setups,
-                              kv_transfer_config, producer_engine_id, push_target, server_argv, server_env)
+from kvcs_demo.setups import (BLOCK_SIZE, CPU_SITE, MAX_MODEL_LEN, MODES, ROOT, Setup, bootstrap_url, cpu_setups,
+                              gpu_setups, kv_transfer_config, mooncake_bootstrap, producer_engine_id, push_target,
+                              server_argv, server_env)
 
 ALL_KINDS = ["flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
              "misplace_block", "change_tail", "drop_checksums"]
@@ -368,15 +369,16 @@ NIXL_PUSH_CPU_CONSUMER = {"kv_connector": "NixlPushConnector", "kv_role": "kv_co
 
 
 def test_modes():
-    assert MODES == ("pull", "push")
+    assert MODES == ("pull", "push", "mooncake")
     assert parse_args(["--mode", "push"]).mode == "push"
+    assert parse_args(["--mode", "mooncake"]).mode == "mooncake"
 
 
 def test_parse_args_unknown_mode(capsys):
-    assert "invalid choice: 'mooncake'" in parse_error(capsys, ["--mode", "mooncake"])
+    assert "invalid choice: 'lmcache'" in parse_error(capsys, ["--mode", "lmcache"])
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("mode", ["pull", "push", "mooncake"])
 def test_choose_setups_gives_every_setup_the_mode(fake_make_models, mode):
     got = choose_setups(parse_args(["--mode", mode, "--setups", "llama"]))
     assert [(s.name, s.mode) for s in got] == [("llama", mode), ("baseline-off", mode)]
@@ -459,12 +461,14 @@ class _RecordingGroup:
         return spec
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("mode", ["pull", "push", "mooncake"])
 def test_start_proxy_argv(tmp_path, mode):
     setups = [Setup("a", Path("/m"), mode=mode), Setup("b", Path("/m"), producer_tp=2, mode=mode)]
     for i, s in enumerate(setups):
         s.urls = {"producer": f"http://127.0.0.1:{100 + i}", "consumer": f"http://127.0.0.1:{200 + i}"}
         s.side_ports = {"producer": 300 + i, "consumer": 400 + i}
+        if mode == "mooncake":
+            s.bootstrap_port = 500 + i
     group = _RecordingGroup()
     demo.start_proxy(group, setups, tmp_path, "py")
     [spec] = group.specs
@@ -473,9 +477,124 @@ def test_start_proxy_argv(tmp_path, mode):
     pairs = ["--pair=a=http://127.0.0.1:100,http://127.0.0.1:200", "--pair=b=http://127.0.0.1:101,http://127.0.0.1:201"]
     if mode == "pull":
         assert argv[5:] == pairs  # as before push mode existed
-    else:
+    elif mode == "push":
         assert argv[5:] == [*pairs, "--mode=push", "--push-target=a=kvcs-demo-a-producer,localhost:300,1",
                             "--push-target=b=kvcs-demo-b-producer,localhost:301,2"]
+    else:
+        assert argv[5:] == [*pairs, "--mode=mooncake", "--bootstrap=a=http://127.0.0.1:500",
+                            "--bootstrap=b=http://127.0.0.1:501"]
+
+
+# ----------------------------------------------------------------- 3c. mooncake mode
+#
+# --mode mooncake: MooncakeConnector (P2P) on both servers over TCP, the
+# consumer's wrapped by the fault-injecting connector as in pull and push;
+# both servers publish loopback addresses (VLLM_HOST_IP), and each producer
+# serves its own bootstrap server, which the proxy is given.
+
+MOONCAKE_PRODUCER = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+                     "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+MOONCAKE_CONSUMER = {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                     "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_kv_config_mooncake_producer(device):
+    s = Setup("llama", Path("/m"), policy="fail", mode="mooncake")
+    # No engine id (the proxy asks the bootstrap server), no kv_buffer_device.
+    assert kv_transfer_config(s, "kv_producer", device) == {
+        **MOONCAKE_PRODUCER, "enable_kv_checksum": True, "kv_checksum_fail_closed": True,
+        "kv_load_failure_policy": "fail"}
+
+
+@pytest.mark.parametrize("policy, fail_closed, load_policy",
+                         [("fail", True, "fail"), ("recompute", True, "recompute"), ("open", False, "fail")])
+def test_kv_config_mooncake_consumer_wraps_the_mooncake_connector(tmp_path, policy, fail_closed, load_policy):
+    s = Setup("x", Path("/m"), policy=policy, mode="mooncake")
+    control, injections = tmp_path / "x.faults.json", tmp_path / "x.injections.jsonl"
+    cfg = kv_transfer_config(s, "kv_consumer", "cpu", control_path=control, injections_path=injections, seed=7)
+    assert cfg == {
+        "kv_connector": "KVChecksumFaultConnector",
+        "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
+        "kv_role": "kv_consumer",
+        "enable_kv_checksum": True,
+        "kv_checksum_fail_closed": fail_closed,
+        "kv_load_failure_policy": load_policy,
+        "kv_connector_extra_config": {
+            # The Mooncake config whole, its own extra config (the protocol) included.
+            "connectors": [MOONCAKE_CONSUMER],
+            "kv_checksum_faults": {"kinds": "all", "rate": 0.0, "seed": 7, "control_path": str(control),
+                                   "log_path": str(injections)},
+        },
+    }
+    json.dumps(cfg)
+
+
+def test_kv_config_mooncake_baseline():
+    off = Setup("baseline-off", Path("/m"), policy="open", checksums=False, mode="mooncake")
+    assert kv_transfer_config(off, "kv_producer", "cpu") == MOONCAKE_PRODUCER
+    cons = kv_transfer_config(off, "kv_consumer", "cpu")
+    assert cons["kv_connector"] == "KVChecksumFaultConnector" and "enable_kv_checksum" not in cons
+    assert cons["kv_connector_extra_config"]["connectors"] == [MOONCAKE_CONSUMER]
+    # The producer config given to one server is not changed by another's.
+    assert kv_transfer_config(off, "kv_producer", "cpu") == MOONCAKE_PRODUCER
+
+
+def test_server_env_mooncake():
+    prod = server_env("cpu", 5700, mode="mooncake", bootstrap_port=26000)
+    cons = server_env("cpu", 5701, mode="mooncake")
+    assert prod["VLLM_HOST_IP"] == cons["VLLM_HOST_IP"] == "127.0.0.1"
+    assert prod["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "26000"
+    assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in cons  # only producers start a bootstrap server
+    # Otherwise the usual CPU environment.
+    assert {k: v for k, v in prod.items() if k not in ("VLLM_HOST_IP", "VLLM_MOONCAKE_BOOTSTRAP_PORT")} == \
+        server_env("cpu", 5700)
+    assert {k: v for k, v in cons.items() if k != "VLLM_HOST_IP"} == server_env("cpu", 5701)
+    gpu = server_env("cuda", 5600, [1], mode="mooncake", bootstrap_port=26001)
+    assert gpu["VLLM_HOST_IP"] == "127.0.0.1" and gpu["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_server_env_other_modes_have_no_mooncake_keys(mode):
+    for env in (server_env("cpu", 5700, mode=mode), server_env("cpu", 5700, mode=mode, bootstrap_port=26000),
+                server_env("cuda", 5700, mode=mode)):
+        assert not {"VLLM_HOST_IP", "VLLM_MOONCAKE_BOOTSTRAP_PORT"} & set(env)
+    assert server_env("cpu", 5700, mode=mode) == server_env("cpu", 5700)
+
+
+def test_server_specs_mooncake_gives_each_producer_its_bootstrap_port(tmp_path):
+    setups = [Setup("llama", Path("/m/l"), policy="fail", mode="mooncake"),
+              Setup("gemma2-hybrid", Path("/m/g"), policy="recompute", mode="mooncake"),
+              Setup("baseline-off", Path("/m/l"), policy="open", checksums=False, mode="mooncake")]
+    specs = demo.server_specs(setups, "cpu", tmp_path, "py")
+    ports = []
+    for s in setups:
+        prod, cons = specs[s.name]
+        assert s.bootstrap_port is not None
+        assert prod.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == str(s.bootstrap_port)
+        assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in cons.env
+        assert prod.env["VLLM_HOST_IP"] == cons.env["VLLM_HOST_IP"] == "127.0.0.1"
+        assert json.loads(flag(prod.argv, "--kv-transfer-config"))["kv_connector"] == "MooncakeConnector"
+        assert json.loads(flag(cons.argv, "--kv-transfer-config"))["kv_connector_extra_config"][
+            "connectors"] == [MOONCAKE_CONSUMER]
+        ports += [prod.port, cons.port, s.bootstrap_port]
+    # Every pair's own bootstrap server: no port twice, none a server's.
+    assert len(set(ports)) == len(ports)
+    llama = setups[0]
+    assert bootstrap_url(llama) == f"http://127.0.0.1:{llama.bootstrap_port}"
+    assert mooncake_bootstrap(llama) == f"llama=http://127.0.0.1:{llama.bootstrap_port}"
+    # ... which the proxy parses back.
+    from kvcs_demo.proxy import parse_bootstrap
+    assert parse_bootstrap(mooncake_bootstrap(llama)) == ("llama", bootstrap_url(llama))
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_server_specs_other_modes_have_no_bootstrap_port(tmp_path, mode):
+    setups = [Setup("llama", Path("/m/l"), policy="fail", mode=mode)]
+    specs = demo.server_specs(setups, "cpu", tmp_path, "py")
+    assert setups[0].bootstrap_port is None
+    for spec in specs["llama"]:
+        assert not {"VLLM_HOST_IP", "VLLM_MOONCAKE_BOOTSTRAP_PORT"} & set(spec.env)
 
 
 # ----------------------------------------------------------------- 4. verdict plumbing

@@ -7,17 +7,21 @@ they record what each leg sends them and answer what a test sets.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import sys
 import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 from aiohttp import web
 
-from kvcs_demo.proxy import Proxy, PushTarget, parse_pair, parse_push_target, with_push_targets
+from kvcs_demo.proxy import (Proxy, PushTarget, engine_id_of, parse_bootstrap, parse_pair, parse_push_target,
+                             with_bootstraps, with_push_targets)
 from kvcs_demo.proxy import main as proxy_main
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 
@@ -424,10 +428,10 @@ def _wait(flag: threading.Event) -> bool:
     return flag.wait(SAFETY_S)
 
 
-def _gate(env, loop) -> None:
-    """Pair p's producer answers once its consumer got the consumer leg."""
+def _gate(env, loop, pair: str = "p") -> None:
+    """The pair's producer answers once its consumer got the consumer leg."""
     gate = asyncio.run_coroutine_threadsafe(_event(), loop).result(SAFETY_S)
-    env["servers"]["p-producer"].gate = env["servers"]["p-consumer"].gate = gate
+    env["servers"][f"{pair}-producer"].gate = env["servers"][f"{pair}-consumer"].gate = gate
 
 
 @pytest.mark.parametrize("status, body", [
@@ -547,4 +551,351 @@ def test_proxy_modes_need_matching_pairs():
     with pytest.raises(ValueError, match="push only"):
         Proxy([with_push_targets([pull], [parse_push_target("a=e,h:5")])[0]])
     with pytest.raises(ValueError, match="mode must be one of"):
+        Proxy([pull], mode="lmcache")
+
+
+# -------------------------------------------------------------- mooncake mode
+#
+# MooncakeConnector (P2P): the consumer asks the producer's worker for the
+# transfer by an id the proxy gives both legs, so both legs go out at once
+# (same X-Request-Id). The consumer's kv_transfer_params name the producer's
+# bootstrap server and its engine id, which the proxy asked that server for
+# (GET /query) at startup, until it named one. The producer answers without
+# kv_transfer_params; Mooncake sends only for a prefill finished by length.
+
+MOONCAKE_LEG_TIMEOUT_S = 8  # the mooncake proxy's --timeout
+ENGINE = "eng-mooncake-0"
+TRANSFER_ID = re.compile(r"xfer-[0-9a-f]{32}")
+
+
+def bootstrap_answer(engine_id: str = ENGINE) -> dict:
+    """A bootstrap server's /query once the producer's worker registered."""
+    return {"0": {"engine_id": engine_id, "worker_addr": {"0": {"0": "tcp://127.0.0.1:5555"}}}}
+
+
+class BootstrapStandIn:
+    """A stand-in Mooncake bootstrap server: answers GET /query with the
+    next of `self.answers` (the last one repeated) and counts the queries."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, answers: list):
+        self.loop = loop
+        self.answers = list(answers)
+        self.queries = 0
+        app = web.Application()
+        app.router.add_get("/query", self.query)
+        self.runner = web.AppRunner(app, shutdown_timeout=1)
+        self.url = asyncio.run_coroutine_threadsafe(self._start(), loop).result(SAFETY_S)
+
+    _start = StandIn._start
+
+    def set(self, answers: list) -> None:
+        self.answers = list(answers)
+
+    async def query(self, request: web.Request) -> web.Response:
+        self.queries += 1
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, int):
+            return web.Response(status=answer, text="not yet")
+        if isinstance(answer, bytes):
+            return web.Response(body=answer, content_type="application/json")
+        return web.json_response(answer)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(SAFETY_S)
+
+
+class MooncakeStandIn(PushStandIn):
+    """A stand-in Mooncake server: the producer answers as vLLM does after a
+    prefill capped at max_tokens 1 (finish_reason "length", no
+    kv_transfer_params); the `gate` and `cancelled` of PushStandIn."""
+
+    def reset(self) -> None:
+        super().reset()
+        if self.name.endswith("producer"):
+            self.reply = (200, {"id": f"cmpl-{self.name}",
+                                "choices": [{"text": "x", "finish_reason": "length"}],
+                                "kv_transfer_params": None})
+
+
+def _health(url: str) -> dict:
+    return httpx.get(f"{url}/health", trust_env=False, timeout=SAFETY_S).json()
+
+
+def _wait_for_engine(url: str, pair: str) -> dict:
+    """The proxy's /health once it knows the pair's engine id (bounded)."""
+    deadline = time.monotonic() + SAFETY_S
+    while True:
+        health = _health(url)
+        if health["engines"][pair] is not None or time.monotonic() > deadline:
+            return health
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def mc_env(loop, tmp_path_factory):
+    """Mooncake stand-ins for pair m (and deadc: no consumer) and their
+    bootstrap servers; m's names no engine for its first 3 queries (not
+    registered yet: an empty answer, a 503, a DP rank without an id). One
+    proxy in mooncake mode."""
+    servers = {n: MooncakeStandIn(n, loop) for n in ["m-producer", "m-consumer", "deadc-producer"]}
+    boot = BootstrapStandIn(loop, [{}, 503, {"0": {"worker_addr": {}}}, bootstrap_answer()])
+    boot_deadc = BootstrapStandIn(loop, [bootstrap_answer("eng-deadc")])
+    nobody = f"http://127.0.0.1:{free_port_block()}"
+    tmp = tmp_path_factory.mktemp("mooncake-proxy")
+    with ProcessGroup(log=lambda line: None) as group:
+        url = _start_proxy(group, tmp, [
+            f"m={servers['m-producer'].url},{servers['m-consumer'].url}",
+            f"deadc={servers['deadc-producer'].url},{nobody}",
+        ], "--mode", "mooncake", "--bootstrap", f"m={boot.url}/", "--bootstrap", f"deadc={boot_deadc.url}",
+            "--timeout", str(MOONCAKE_LEG_TIMEOUT_S))
+        yield {"url": url, "servers": servers, "boot": boot, "nobody": nobody, "group": group, "tmp": tmp}
+    for s in [*servers.values(), boot, boot_deadc]:
+        s.close()
+
+
+@pytest.fixture
+def mc_proxy(mc_env):
+    for s in mc_env["servers"].values():
+        s.reset()
+    with httpx.Client(base_url=mc_env["url"], trust_env=False, timeout=SAFETY_S) as client:
+        yield client
+
+
+def test_mooncake_startup_asks_the_bootstrap_server_until_it_names_the_engine(mc_env):
+    # Asked at startup, before any completion; again after each answer that
+    # named no engine; not again once it named one.
+    health = _wait_for_engine(mc_env["url"], "m")
+    assert health["engines"] == {"m": ENGINE, "deadc": "eng-deadc"}
+    assert health["pairs"] == ["m", "deadc"]
+    assert mc_env["boot"].queries == 4
+    assert not any(s.received for s in mc_env["servers"].values())
+
+
+def test_mooncake_both_legs_at_once_with_one_request_and_transfer_id(mc_env, mc_proxy, loop):
+    producer, consumer = mc_env["servers"]["m-producer"], mc_env["servers"]["m-consumer"]
+    _wait_for_engine(mc_env["url"], "m")
+    queries = mc_env["boot"].queries
+    # The producer answers only once the consumer leg reached the consumer:
+    # a proxy that waited for the producer's answer first would time out.
+    _gate(mc_env, loop, "m")
+    body = {"model": "m", "prompt": "hello there", "max_tokens": 7, "min_tokens": 2, "temperature": 0,
+            "stream_options": {"include_usage": True}, "kv_transfer_params": {"client": "replaced"}}
+    r = mc_proxy.post("/pairs/m/v1/completions", json=body, headers={"X-Request-Id": "req-m1"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "decoded by m-consumer"
+    assert r.headers["X-KVCS-Request-Id"] == "req-m1" and "X-KVCS-Failed-Leg" not in r.headers
+
+    [prefill] = producer.received
+    [decode] = consumer.received
+    assert prefill["headers"]["X-Request-Id"] == decode["headers"]["X-Request-Id"] == "req-m1"
+    transfer_id = prefill["json"]["kv_transfer_params"]["transfer_id"]
+    assert TRANSFER_ID.fullmatch(transfer_id)
+    assert prefill["json"]["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                                     "transfer_id": transfer_id}
+    assert prefill["json"]["max_tokens"] == 1 and prefill["json"]["stream"] is False
+    assert "min_tokens" not in prefill["json"] and "stream_options" not in prefill["json"]
+    assert prefill["json"]["prompt"] == "hello there"
+    # The client's request, with the producer's bootstrap server (as given,
+    # without the trailing slash), engine id and the same transfer id.
+    assert decode["json"] == {**body, "kv_transfer_params": {
+        "do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": mc_env["boot"].url,
+        "remote_engine_id": ENGINE, "transfer_id": transfer_id}}
+    assert mc_env["boot"].queries == queries  # the engine id is not asked per request
+
+
+def test_mooncake_each_completion_has_its_own_transfer_id(mc_env, mc_proxy):
+    for _ in range(3):
+        r = mc_proxy.post("/pairs/m/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    producer, consumer = mc_env["servers"]["m-producer"], mc_env["servers"]["m-consumer"]
+    ids = [x["json"]["kv_transfer_params"]["transfer_id"] for x in producer.received]
+    assert len(set(ids)) == 3
+    assert sorted(ids) == sorted(x["json"]["kv_transfer_params"]["transfer_id"] for x in consumer.received)
+
+
+def test_mooncake_default_route_and_generated_id(mc_env, mc_proxy):
+    r = mc_proxy.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    request_id = r.headers["X-KVCS-Request-Id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", request_id)
+    [prefill] = mc_env["servers"]["m-producer"].received
+    [decode] = mc_env["servers"]["m-consumer"].received
+    assert prefill["headers"]["X-Request-Id"] == decode["headers"]["X-Request-Id"] == request_id
+
+
+@pytest.mark.parametrize("status, body", [
+    (400, {"object": "error", "message": "prompt is too long", "code": 400}),
+    (500, b"engine died"),
+])
+def test_mooncake_producer_error_cancels_the_waiting_consumer_leg(mc_env, mc_proxy, loop, status, body):
+    producer, consumer = mc_env["servers"]["m-producer"], mc_env["servers"]["m-consumer"]
+    _gate(mc_env, loop, "m")
+    producer.reply = (status, body)
+    consumer.reply = "hang"  # waits for KV that will not be sent
+    r = mc_proxy.post("/pairs/m/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "bad-m"})
+    assert r.status_code == status
+    assert r.content == (body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert r.headers["X-KVCS-Failed-Leg"] == "prefill" and r.headers["X-KVCS-Request-Id"] == "bad-m"
+    assert len(consumer.received) == 1
+    assert _wait(consumer.cancelled)
+    assert r.elapsed.total_seconds() < MOONCAKE_LEG_TIMEOUT_S - 2
+
+
+@pytest.mark.parametrize("reply, words", [
+    # EOS as the first token: the request finished by stop, Mooncake sends nothing.
+    ({"choices": [{"text": "", "finish_reason": "stop"}], "kv_transfer_params": None},
+     ["finish_reason 'stop'", "'length'", "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"]),
+    ({"choices": []}, ["finish_reason None"]),
+    ({"id": "no choices"}, ["finish_reason None"]),
+    (b"not json", ["not a JSON object"]),
+    (b"[1]", ["not a JSON object"]),
+])
+def test_mooncake_producer_that_sends_no_kv_is_502(mc_env, mc_proxy, loop, reply, words):
+    producer, consumer = mc_env["servers"]["m-producer"], mc_env["servers"]["m-consumer"]
+    _gate(mc_env, loop, "m")
+    producer.reply = (200, reply)
+    consumer.reply = "hang"
+    r = mc_proxy.post("/pairs/m/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 502 and r.headers["X-KVCS-Failed-Leg"] == "prefill"
+    message = r.json()["error"]["message"]
+    assert producer.url in message
+    for word in words:
+        assert word in message, (word, message)
+    assert len(consumer.received) == 1
+    assert _wait(consumer.cancelled)
+    assert r.elapsed.total_seconds() < MOONCAKE_LEG_TIMEOUT_S - 2
+
+
+def test_mooncake_consumer_error_is_passed_through_with_the_leg(mc_env, mc_proxy):
+    error = {"object": "error", "message": "kv_checksum_mismatch: corrupt (group 0 blocks [3])", "code": 503}
+    mc_env["servers"]["m-consumer"].reply = (503, error)
+    r = mc_proxy.post("/pairs/m/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.json() == error
+    assert r.headers["X-KVCS-Failed-Leg"] == "decode"
+    assert len(mc_env["servers"]["m-producer"].received) == 1
+
+
+def test_mooncake_unreachable_consumer_is_502_naming_the_leg(mc_env, mc_proxy):
+    r = mc_proxy.post("/pairs/deadc/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 502 and r.headers["X-KVCS-Failed-Leg"] == "decode"
+    assert mc_env["nobody"] in r.json()["error"]["message"]
+    [prefill] = mc_env["servers"]["deadc-producer"].received
+    assert TRANSFER_ID.fullmatch(prefill["json"]["kv_transfer_params"]["transfer_id"])
+
+
+def test_mooncake_consumer_timeout_is_504(mc_env, mc_proxy):
+    mc_env["servers"]["m-consumer"].reply = "hang"  # the transfer never completes
+    r = mc_proxy.post("/pairs/m/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 504 and r.headers["X-KVCS-Failed-Leg"] == "decode"
+    assert f"within {MOONCAKE_LEG_TIMEOUT_S} s" in r.json()["error"]["message"]
+
+
+def test_mooncake_invalid_and_streaming_requests_reach_no_server(mc_env, mc_proxy):
+    assert mc_proxy.post("/v1/completions", content=b"{nope",
+                         headers={"Content-Type": "application/json"}).status_code == 400
+    assert mc_proxy.post("/v1/completions", json={"prompt": "x", "stream": True}).status_code == 400
+    assert not any(s.received for s in mc_env["servers"].values())
+
+
+def test_mooncake_completion_waits_for_a_late_engine(mc_env, loop):
+    """A completion that comes before the producer registered waits for the
+    bootstrap server to name the engine, then goes through."""
+    producer, consumer = MooncakeStandIn("late-producer", loop), MooncakeStandIn("late-consumer", loop)
+    boot = BootstrapStandIn(loop, [{}])  # nothing registered yet
+    try:
+        url = _start_proxy(mc_env["group"], mc_env["tmp"], [f"late={producer.url},{consumer.url}"],
+                           "--mode", "mooncake", "--bootstrap", f"late={boot.url}", "--timeout", "20")
+        assert _health(url)["engines"] == {"late": None}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{url}/v1/completions", json={"prompt": "x"}, trust_env=False,
+                                  timeout=SAFETY_S)
+            time.sleep(1.0)
+            assert not pending.done() and not producer.received and not consumer.received
+            boot.set([bootstrap_answer("eng-late")])
+            r = pending.result(SAFETY_S)
+        assert r.status_code == 200, r.text
+        assert consumer.received[0]["json"]["kv_transfer_params"]["remote_engine_id"] == "eng-late"
+        assert _health(url)["engines"] == {"late": "eng-late"}
+    finally:
+        for s in (producer, consumer, boot):
+            s.close()
+
+
+@pytest.mark.parametrize("answer", [{}, 503, {"1": {"engine_id": "dp1-only"}}, {"0": {"engine_id": ""}},
+                                    b"not json", b"[]", None])
+def test_mooncake_engine_never_named_is_503_and_no_leg_is_sent(mc_env, loop, answer):
+    producer, consumer = MooncakeStandIn("nb-producer", loop), MooncakeStandIn("nb-consumer", loop)
+    boot = BootstrapStandIn(loop, [answer if answer is not None else {}])
+    # None: no bootstrap server listens there at all.
+    boot_url = boot.url if answer is not None else f"http://127.0.0.1:{free_port_block()}"
+    try:
+        url = _start_proxy(mc_env["group"], mc_env["tmp"], [f"nb={producer.url},{consumer.url}"],
+                           "--mode", "mooncake", "--bootstrap", f"nb={boot_url}", "--timeout", "1.5")
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "nb-1"},
+                       trust_env=False, timeout=SAFETY_S)
+        assert r.status_code == 503, r.text
+        assert r.headers["X-KVCS-Failed-Leg"] == "prefill" and r.headers["X-KVCS-Request-Id"] == "nb-1"
+        message = r.json()["error"]["message"]
+        assert f"{boot_url}/query" in message and "within 1.5 s" in message, message
+        assert ("no answer" if answer is None else "HTTP 503" if answer == 503 else "no engine") in message
+        assert not producer.received and not consumer.received
+        assert boot.queries >= (0 if answer is None else 2)  # asked again and again
+    finally:
+        for s in (producer, consumer, boot):
+            s.close()
+
+
+def test_engine_id_of():
+    assert engine_id_of(bootstrap_answer("e")) == "e"
+    assert engine_id_of({"1": {"engine_id": "x"}, "0": {"engine_id": "y"}}) == "y"
+    for answer in [{}, [], None, "x", {"0": None}, {"0": {}}, {"0": {"engine_id": ""}}, {"0": {"engine_id": 3}},
+                   {0: {"engine_id": "int key"}}]:
+        assert engine_id_of(answer) is None, answer
+
+
+def test_parse_bootstrap():
+    assert parse_bootstrap("a=http://127.0.0.1:8998/") == ("a", "http://127.0.0.1:8998")
+    for bad in ["a", "a=", "a=127.0.0.1:8998", "a b=http://h:1", "=http://h:1"]:
+        with pytest.raises(ValueError, match="--bootstrap"):
+            parse_bootstrap(bad)
+
+
+def test_bootstraps_match_the_pairs():
+    pairs = [parse_pair("a=http://h:1,http://h:2"), parse_pair("b=http://h:3,http://h:4")]
+    got = with_bootstraps(pairs, [parse_bootstrap("b=http://h:6"), parse_bootstrap("a=http://h:5")])
+    assert [(p.name, p.bootstrap, p.push) for p in got] == [("a", "http://h:5", None), ("b", "http://h:6", None)]
+    with pytest.raises(ValueError, match="missing: \\['b'\\]"):
+        with_bootstraps(pairs, [parse_bootstrap("a=http://h:5")])
+    with pytest.raises(ValueError, match="unknown pair"):
+        with_bootstraps(pairs, [parse_bootstrap(f"{n}=http://h:5") for n in "abc"])
+    with pytest.raises(ValueError, match="two bootstrap servers"):
+        with_bootstraps(pairs, [parse_bootstrap("a=http://h:5"), parse_bootstrap("a=http://h:6")])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "mooncake", "--pair", "a=http://h:1,http://h:2"], "needs a --bootstrap for every pair"),
+    (["--pair", "a=http://h:1,http://h:2", "--bootstrap", "a=http://h:5"], "for --mode mooncake only"),
+    (["--mode", "push", "--pair", "a=http://h:1,http://h:2", "--push-target", "a=e,h:5",
+      "--bootstrap", "a=http://h:5"], "for --mode mooncake only"),
+    (["--mode", "mooncake", "--pair", "a=http://h:1,http://h:2", "--bootstrap", "a=http://h:5",
+      "--push-target", "a=e,h:5"], "for --mode push only"),
+    (["--mode", "mooncake", "--pair", "a=http://h:1,http://h:2", "--bootstrap", "a=h:5"], "--bootstrap"),
+])
+def test_mooncake_arguments_are_checked(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        proxy_main(["--port", "1", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_proxy_mooncake_mode_needs_bootstraps():
+    pull = parse_pair("a=http://h:1,http://h:2")
+    with pytest.raises(ValueError, match="mooncake mode needs"):
         Proxy([pull], mode="mooncake")
+    mooncake = with_bootstraps([pull], [parse_bootstrap("a=http://h:5")])[0]
+    for mode in ("pull", "push"):
+        with pytest.raises(ValueError, match="mooncake only"):
+            Proxy([replace(mooncake, push=PushTarget("e", "h", 5))] if mode == "push" else [mooncake], mode=mode)
+    with pytest.raises(ValueError, match="push only"):
+        Proxy([replace(mooncake, push=PushTarget("e", "h", 5))], mode="mooncake")
+    assert Proxy([mooncake], mode="mooncake").mode == "mooncake"

@@ -2,21 +2,23 @@
 
 Runs `python -m kvcs_demo` (what `make demo` runs) as a subprocess with one
 request per phase: real vLLM OpenAI servers of the patched tree (producers
-and consumers over NIXL, UCX on loopback), the project's proxy, the
-fault-injecting connector on each consumer. Then asserts on its
-report.json, which the demo builds from the servers' /metrics, the
-connector's injection records and the clients' responses; and that no
-process it started is left.
+and consumers over NIXL, UCX on loopback, or Mooncake over TCP), the
+project's proxy, the fault-injecting connector on each consumer. Then
+asserts on its report.json, which the demo builds from the servers'
+/metrics, the connector's injection records and the clients' responses;
+and that no process it started is left.
 
 Marked e2e: `make test` runs it on its own after the other tests (it needs
 the machine's cores), `make test-e2e` runs it alone.
 
-Parametrized by NIXL mode: `[pull]` (NixlConnector, checksums in
-kv_transfer_params) always runs; `[push]` (`--mode push`: NixlPushConnector,
-checksums on the WRITE's notification) is skipped unless KVCS_E2E_PUSH=1, as
-it can pass only once push-mode checksums are in the patch series:
+Parametrized by connector mode, each a full short demo: `[pull]`
+(NixlConnector, checksums in kv_transfer_params), `[push]` (`--mode push`:
+NixlPushConnector, checksums on the WRITE's notification) and `[mooncake]`
+(`--mode mooncake`: MooncakeConnector over TCP, checksums on the transfer's
+response; needs mooncake-transfer-engine-non-cuda, in requirements/cpu.txt).
+One mode: `make test-e2e` with `-k push`, e.g.
 
-    KVCS_E2E_PUSH=1 .venv/bin/python -m pytest -p no:cacheprovider -q -s -m e2e tests/e2e -k push
+    .venv/bin/python -m pytest -p no:cacheprovider -q -s -m e2e tests/e2e -k push
 """
 
 from __future__ import annotations
@@ -35,12 +37,11 @@ KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layer
 
 pytestmark = pytest.mark.e2e
 
-PUSH_READY = os.environ.get("KVCS_E2E_PUSH") == "1"
-MODES = ["pull", pytest.param("push", marks=pytest.mark.skipif(
-    not PUSH_READY, reason="push mode (NixlPushConnector) passes only once push-mode KV checksums are in the "
-                           "patch series; run it with KVCS_E2E_PUSH=1"))]
+MODES = ["pull", "push", "mooncake"]
 # What the consumers' startup line says carries the checksums.
-CARRIER = {"pull": "carrier kv_transfer_params", "push": "carrier connector"}
+CARRIER = {"pull": "carrier kv_transfer_params", "push": "carrier connector", "mooncake": "carrier connector"}
+# Modes whose checksums do not ride kv_transfer_params: no hostile client.
+NO_HOSTILE = ("push", "mooncake")
 
 
 def total(metrics: dict, name: str) -> int:
@@ -156,10 +157,10 @@ def test_policies_on_real_servers(demo):
 
 def test_hostile_client_is_unverified_and_the_consumer_keeps_serving(demo):
     _, report, _ = demo
-    if report["mode"] == "push":
+    if report["mode"] in NO_HOSTILE:
         # Its forged kv_checksums ride kv_transfer_params, the pull carrier.
         assert not any("hostile_client" in s for s in report["setups"])
-        pytest.skip("push mode runs no hostile client")
+        pytest.skip(f"{report['mode']} mode runs no hostile client")
     hostile = [h for s in report["setups"] for h in s.get("hostile_client", [])]
     assert {h["payload"] for h in hostile} == {"malformed", "extreme_values"}
     for h in hostile:

@@ -120,3 +120,24 @@ def test_multi_connector_merges_childrens_checksums(multi):
     results = multi.get_transfer_results(set())
     assert results.finished_recving == {"a", "b"}
     assert results.kv_checksums == {"a": b"1", "b": b"2"}
+
+
+@pytest.mark.parametrize("kind,name", [("NixlConnector", "kv_transfer_params"),
+                                       ("NixlPushConnector", "connector"), ("MooncakeConnector", "connector")])
+def test_startup_line_names_the_carrier(kind, name):
+    from vllm_kvchecksum.scheduler import _carrier_name
+
+    assert _carrier_name(connector(kind=kind)) == name
+
+
+def test_mooncake_carries_router_requests_only():
+    c = connector(kind="MooncakeConnector")
+    connector_carrier = KVChecksumCarrier.CONNECTOR
+    assert c.can_carry_kv_checksums()
+    assert c.kv_checksum_carrier(request(do_remote_decode=True, transfer_id="x"), receiving=False) \
+        is connector_carrier
+    assert c.kv_checksum_carrier(request(do_remote_prefill=True, transfer_id="x"), receiving=True) \
+        is connector_carrier
+    # No transfer id: Mooncake transfers nothing for it.
+    assert c.kv_checksum_carrier(request(do_remote_decode=True), receiving=False) is None
+    assert c.kv_checksum_carrier(request(do_remote_prefill=True), receiving=True) is None
