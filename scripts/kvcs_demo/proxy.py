@@ -174,20 +174,26 @@ def parse_push_target(text: str) -> tuple[str, PushTarget]:
     return name, PushTarget(parts[0], host, port_num, tp, pp)
 
 
-def with_push_targets(pairs: list[Pair], targets: list[tuple[str, PushTarget]]) -> list[Pair]:
-    """The pairs, each with its push target (every pair needs exactly one)."""
-    by_name: dict[str, PushTarget] = {}
-    for name, target in targets:
+def _attach(pairs: list[Pair], items: list[tuple[str, object]], field: str, flag: str, what: str,
+            mode: str) -> list[Pair]:
+    """The pairs with `field` set from (pair name, value) items, one per pair."""
+    by_name: dict[str, object] = {}
+    for name, value in items:
         if name in by_name:
-            raise ValueError(f"--push-target: two targets for pair {name!r}")
-        by_name[name] = target
+            raise ValueError(f"{flag}: two {what} for pair {name!r}")
+        by_name[name] = value
     unknown = sorted(set(by_name) - {p.name for p in pairs})
     if unknown:
-        raise ValueError(f"--push-target for unknown pair(s) {unknown}; pairs: {[p.name for p in pairs]}")
+        raise ValueError(f"{flag} for unknown pair(s) {unknown}; pairs: {[p.name for p in pairs]}")
     missing = [p.name for p in pairs if p.name not in by_name]
     if missing:
-        raise ValueError(f"--mode push needs a --push-target for every pair; missing: {missing}")
-    return [replace(p, push=by_name[p.name]) for p in pairs]
+        raise ValueError(f"--mode {mode} needs a {flag} for every pair; missing: {missing}")
+    return [replace(p, **{field: by_name[p.name]}) for p in pairs]
+
+
+def with_push_targets(pairs: list[Pair], targets: list[tuple[str, PushTarget]]) -> list[Pair]:
+    """The pairs, each with its push target (every pair needs exactly one)."""
+    return _attach(pairs, targets, "push", "--push-target", "targets", "push")
 
 
 def parse_bootstrap(text: str) -> tuple[str, str]:
@@ -205,18 +211,7 @@ def parse_bootstrap(text: str) -> tuple[str, str]:
 
 def with_bootstraps(pairs: list[Pair], bootstraps: list[tuple[str, str]]) -> list[Pair]:
     """The pairs, each with its producer's bootstrap URL (every pair needs exactly one)."""
-    by_name: dict[str, str] = {}
-    for name, url in bootstraps:
-        if name in by_name:
-            raise ValueError(f"--bootstrap: two bootstrap servers for pair {name!r}")
-        by_name[name] = url
-    unknown = sorted(set(by_name) - {p.name for p in pairs})
-    if unknown:
-        raise ValueError(f"--bootstrap for unknown pair(s) {unknown}; pairs: {[p.name for p in pairs]}")
-    missing = [p.name for p in pairs if p.name not in by_name]
-    if missing:
-        raise ValueError(f"--mode mooncake needs a --bootstrap for every pair; missing: {missing}")
-    return [replace(p, bootstrap=by_name[p.name]) for p in pairs]
+    return _attach(pairs, bootstraps, "bootstrap", "--bootstrap", "bootstrap servers", "mooncake")
 
 
 def engine_id_of(answer: object) -> str | None:

@@ -204,24 +204,36 @@ def test_setups_filter_unknown_name(fake_make_models):
 # ----------------------------------------------------------------- 3. command lines
 
 NIXL_CPU_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+NIXL_PUSH_CPU_CONSUMER = {"kv_connector": "NixlPushConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+MOONCAKE_PRODUCER = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+                     "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+MOONCAKE_CONSUMER = {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                     "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+# The consumer's connector config, as the fault-injecting wrapper gets it, by mode.
+CONSUMER_CONNECTOR = {"pull": NIXL_CPU_CONSUMER, "push": NIXL_PUSH_CPU_CONSUMER, "mooncake": MOONCAKE_CONSUMER}
 
 
+@pytest.mark.parametrize("mode", ["pull", "push", "mooncake"])
 @pytest.mark.parametrize("policy, fail_closed, load_policy",
                          [("fail", True, "fail"), ("recompute", True, "recompute"), ("open", False, "fail")])
-def test_kv_config_cpu_consumer_with_faults(tmp_path, policy, fail_closed, load_policy):
-    s = Setup("x", Path("/m"), policy=policy)
+def test_kv_config_cpu_consumer_with_faults(tmp_path, mode, policy, fail_closed, load_policy):
+    s = Setup("x", Path("/m"), policy=policy, mode=mode)
     control, injections = tmp_path / "x.faults.json", tmp_path / "x.injections.jsonl"
     cfg = kv_transfer_config(s, "kv_consumer", "cpu", control_path=control, injections_path=injections, seed=7)
+    # The same wrapper in every mode, around the mode's connector: pull's
+    # NixlConnector; NixlPushConnector (the consumer's engine id stays vLLM's
+    # own: its PUSH_REG carries it); the Mooncake config whole, its own extra
+    # config (the protocol) included, and no kv_buffer_device.
     assert cfg == {
         "kv_connector": "KVChecksumFaultConnector",
         "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
         "kv_role": "kv_consumer",
-        "kv_buffer_device": "cpu",
+        **({} if mode == "mooncake" else {"kv_buffer_device": "cpu"}),
         "enable_kv_checksum": True,
         "kv_checksum_fail_closed": fail_closed,
         "kv_load_failure_policy": load_policy,
         "kv_connector_extra_config": {
-            "connectors": [NIXL_CPU_CONSUMER],
+            "connectors": [CONSUMER_CONNECTOR[mode]],
             "kv_checksum_faults": {"kinds": "all", "rate": 0.0, "seed": 7, "control_path": str(control),
                                    "log_path": str(injections)},
         },
@@ -365,8 +377,6 @@ def test_set_faults_writes_the_control_file(tmp_path):
 # engine id, and the proxy given each producer's NIXL coordinates, since the
 # consumer registers its blocks with the producer before the producer answers.
 
-NIXL_PUSH_CPU_CONSUMER = {"kv_connector": "NixlPushConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
-
 
 def test_modes():
     assert MODES == ("pull", "push", "mooncake")
@@ -393,30 +403,6 @@ def test_kv_config_push_producer_has_its_engine_id():
         "kv_connector": "NixlPushConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
         "engine_id": "kvcs-demo-llama-producer", "enable_kv_checksum": True, "kv_checksum_fail_closed": True,
         "kv_load_failure_policy": "fail"}
-
-
-@pytest.mark.parametrize("policy, fail_closed, load_policy",
-                         [("fail", True, "fail"), ("recompute", True, "recompute"), ("open", False, "fail")])
-def test_kv_config_push_consumer_wraps_the_push_connector(tmp_path, policy, fail_closed, load_policy):
-    s = Setup("x", Path("/m"), policy=policy, mode="push")
-    control, injections = tmp_path / "x.faults.json", tmp_path / "x.injections.jsonl"
-    cfg = kv_transfer_config(s, "kv_consumer", "cpu", control_path=control, injections_path=injections, seed=7)
-    # The same wrapper as in pull mode, around NixlPushConnector; the
-    # consumer's engine id stays vLLM's own (its PUSH_REG carries it).
-    assert cfg == {
-        "kv_connector": "KVChecksumFaultConnector",
-        "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
-        "kv_role": "kv_consumer",
-        "kv_buffer_device": "cpu",
-        "enable_kv_checksum": True,
-        "kv_checksum_fail_closed": fail_closed,
-        "kv_load_failure_policy": load_policy,
-        "kv_connector_extra_config": {
-            "connectors": [NIXL_PUSH_CPU_CONSUMER],
-            "kv_checksum_faults": {"kinds": "all", "rate": 0.0, "seed": 7, "control_path": str(control),
-                                   "log_path": str(injections)},
-        },
-    }
 
 
 def test_kv_config_push_baseline_and_cuda():
@@ -492,11 +478,6 @@ def test_start_proxy_argv(tmp_path, mode):
 # both servers publish loopback addresses (VLLM_HOST_IP), and each producer
 # serves its own bootstrap server, which the proxy is given.
 
-MOONCAKE_PRODUCER = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
-                     "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
-MOONCAKE_CONSUMER = {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
-                     "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
-
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_kv_config_mooncake_producer(device):
@@ -505,29 +486,6 @@ def test_kv_config_mooncake_producer(device):
     assert kv_transfer_config(s, "kv_producer", device) == {
         **MOONCAKE_PRODUCER, "enable_kv_checksum": True, "kv_checksum_fail_closed": True,
         "kv_load_failure_policy": "fail"}
-
-
-@pytest.mark.parametrize("policy, fail_closed, load_policy",
-                         [("fail", True, "fail"), ("recompute", True, "recompute"), ("open", False, "fail")])
-def test_kv_config_mooncake_consumer_wraps_the_mooncake_connector(tmp_path, policy, fail_closed, load_policy):
-    s = Setup("x", Path("/m"), policy=policy, mode="mooncake")
-    control, injections = tmp_path / "x.faults.json", tmp_path / "x.injections.jsonl"
-    cfg = kv_transfer_config(s, "kv_consumer", "cpu", control_path=control, injections_path=injections, seed=7)
-    assert cfg == {
-        "kv_connector": "KVChecksumFaultConnector",
-        "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
-        "kv_role": "kv_consumer",
-        "enable_kv_checksum": True,
-        "kv_checksum_fail_closed": fail_closed,
-        "kv_load_failure_policy": load_policy,
-        "kv_connector_extra_config": {
-            # The Mooncake config whole, its own extra config (the protocol) included.
-            "connectors": [MOONCAKE_CONSUMER],
-            "kv_checksum_faults": {"kinds": "all", "rate": 0.0, "seed": 7, "control_path": str(control),
-                                   "log_path": str(injections)},
-        },
-    }
-    json.dumps(cfg)
 
 
 def test_kv_config_mooncake_baseline():

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import re
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -124,11 +125,18 @@ def env(loop, tmp_path_factory):
         s.close()
 
 
-@pytest.fixture
-def proxy(env):
+@contextlib.contextmanager
+def _fresh_client(env):
+    """A client of env's proxy, its stand-ins reset (nothing received, default replies)."""
     for s in env["servers"].values():
         s.reset()
     with httpx.Client(base_url=env["url"], trust_env=False, timeout=SAFETY_S) as client:
+        yield client
+
+
+@pytest.fixture
+def proxy(env):
+    with _fresh_client(env) as client:
         yield client
 
 
@@ -357,153 +365,38 @@ class PushStandIn(StandIn):
         return web.json_response(body, status=status)
 
 
-@pytest.fixture(scope="module")
-def push_env(loop, tmp_path_factory):
-    """Push stand-ins for pair p (and deadc: no consumer); one proxy in push mode."""
-    servers = {n: PushStandIn(n, loop) for n in ["p-producer", "p-consumer", "deadc-producer"]}
+@contextlib.contextmanager
+def _legs_at_once_env(tmp_path_factory, mode: str, servers: dict, pair: str, *extra: str):
+    """One proxy in `mode` over `pair` and deadc (no consumer listens), the
+    servers' `env` as a test sees it; the servers are closed after it."""
     nobody = f"http://127.0.0.1:{free_port_block()}"
-    tmp = tmp_path_factory.mktemp("push-proxy")
+    tmp = tmp_path_factory.mktemp(f"{mode}-proxy")
     with ProcessGroup(log=lambda line: None) as group:
         url = _start_proxy(group, tmp, [
-            f"p={servers['p-producer'].url},{servers['p-consumer'].url}",
+            f"{pair}={servers[f'{pair}-producer'].url},{servers[f'{pair}-consumer'].url}",
             f"deadc={servers['deadc-producer'].url},{nobody}",
-        ], "--mode", "push", "--push-target", f"p={PUSH_TARGET}",
-            "--push-target", "deadc=engine-p,localhost:5601,2", "--timeout", str(PUSH_LEG_TIMEOUT_S))
+        ], "--mode", mode, *extra)
         yield {"url": url, "servers": servers, "nobody": nobody, "group": group, "tmp": tmp}
     for s in servers.values():
         s.close()
 
 
-@pytest.fixture
-def push_proxy(push_env):
-    for s in push_env["servers"].values():
-        s.reset()
-    with httpx.Client(base_url=push_env["url"], trust_env=False, timeout=SAFETY_S) as client:
-        yield client
-
-
-def test_push_both_legs_at_once_with_one_request_id(push_env, push_proxy, loop):
-    producer, consumer = push_env["servers"]["p-producer"], push_env["servers"]["p-consumer"]
-    # The producer answers only once the consumer leg reached the consumer:
-    # a proxy that waited for the producer's answer first would get no
-    # answer within its --timeout here.
-    _gate(push_env, loop)
-    body = {"model": "m", "prompt": "hello there", "max_tokens": 7, "min_tokens": 2, "temperature": 0,
-            "kv_transfer_params": {"client": "replaced"}}
-    r = push_proxy.post("/pairs/p/v1/completions", json=body, headers={"X-Request-Id": "req-p1"})
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == "decoded by p-consumer"
-    assert r.headers["X-KVCS-Request-Id"] == "req-p1" and "X-KVCS-Failed-Leg" not in r.headers
-
-    [prefill] = producer.received
-    # The same id on both legs: the producer pairs the consumer's
-    # registration with its own request by it.
-    assert prefill["headers"]["X-Request-Id"] == "req-p1"
-    assert prefill["json"]["max_tokens"] == 1 and prefill["json"]["stream"] is False
-    assert prefill["json"]["kv_transfer_params"] == NO_DECODE
-    assert "min_tokens" not in prefill["json"]
-
-    [decode] = consumer.received
-    assert decode["headers"]["X-Request-Id"] == "req-p1"
-    # The producer's coordinates, not its answer (no block ids, no checksums).
-    assert decode["json"] == {**body, "kv_transfer_params": push_decode_params("req-p1")}
+@pytest.fixture(scope="module")
+def push_env(loop, tmp_path_factory):
+    """Push stand-ins for pair p (and deadc: no consumer); one proxy in push mode."""
+    servers = {n: PushStandIn(n, loop) for n in ["p-producer", "p-consumer", "deadc-producer"]}
+    with _legs_at_once_env(tmp_path_factory, "push", servers, "p", "--push-target", f"p={PUSH_TARGET}",
+                           "--push-target", "deadc=engine-p,localhost:5601,2",
+                           "--timeout", str(PUSH_LEG_TIMEOUT_S)) as env:
+        yield env
 
 
 async def _event() -> asyncio.Event:
     return asyncio.Event()
 
 
-def test_push_default_route_and_generated_id(push_env, push_proxy):
-    r = push_proxy.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
-    assert r.status_code == 200, r.text
-    request_id = r.headers["X-KVCS-Request-Id"]
-    assert re.fullmatch(r"[0-9a-f]{32}", request_id)
-    assert push_env["servers"]["p-producer"].received[0]["headers"]["X-Request-Id"] == request_id
-    [decode] = push_env["servers"]["p-consumer"].received
-    assert decode["headers"]["X-Request-Id"] == request_id
-    assert decode["json"]["kv_transfer_params"] == push_decode_params(request_id)
-
-
 def _wait(flag: threading.Event) -> bool:
     return flag.wait(SAFETY_S)
-
-
-def _gate(env, loop, pair: str = "p") -> None:
-    """The pair's producer answers once its consumer got the consumer leg."""
-    gate = asyncio.run_coroutine_threadsafe(_event(), loop).result(SAFETY_S)
-    env["servers"][f"{pair}-producer"].gate = env["servers"][f"{pair}-consumer"].gate = gate
-
-
-@pytest.mark.parametrize("status, body", [
-    (400, {"object": "error", "message": "prompt is too long", "code": 400}),
-    (500, b"engine died"),
-])
-def test_push_producer_error_cancels_the_waiting_consumer_leg(push_env, push_proxy, loop, status, body):
-    producer, consumer = push_env["servers"]["p-producer"], push_env["servers"]["p-consumer"]
-    _gate(push_env, loop)
-    producer.reply = (status, body)
-    consumer.reply = "hang"  # waits for a WRITE that will not come
-    r = push_proxy.post("/pairs/p/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "bad-p"})
-    assert r.status_code == status
-    assert r.content == (body if isinstance(body, bytes) else json.dumps(body).encode())
-    assert r.headers["X-KVCS-Failed-Leg"] == "prefill" and r.headers["X-KVCS-Request-Id"] == "bad-p"
-    # The consumer got its leg, and the proxy hung up on it at once (vLLM
-    # then aborts the request) instead of leaving it waiting.
-    assert len(consumer.received) == 1
-    assert _wait(consumer.cancelled)
-    assert r.elapsed.total_seconds() < PUSH_LEG_TIMEOUT_S - 2
-
-
-@pytest.mark.parametrize("params, words", [
-    (None, ["returned no kv_transfer_params", "NixlPushConnector"]),
-    ({**push_producer_params(), "transfer_mode": "pull"}, ["not a push producer", "'pull'", "--mode pull"]),
-    ({k: v for k, v in push_producer_params().items() if k != "transfer_mode"}, ["not a push producer"]),
-    (push_producer_params("random-engine"), ["'random-engine'", "'engine-p'", "engine_id"]),
-])
-def test_push_producer_that_cannot_reach_the_consumer_is_502(push_env, push_proxy, loop, params, words):
-    producer, consumer = push_env["servers"]["p-producer"], push_env["servers"]["p-consumer"]
-    _gate(push_env, loop)
-    producer.reply = (200, {"choices": [{"text": "x"}], "kv_transfer_params": params})
-    consumer.reply = "hang"
-    r = push_proxy.post("/pairs/p/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 502 and r.headers["X-KVCS-Failed-Leg"] == "prefill"
-    message = r.json()["error"]["message"]
-    assert producer.url in message
-    for word in words:
-        assert word in message, (word, message)
-    assert len(consumer.received) == 1
-    assert _wait(consumer.cancelled)
-    assert r.elapsed.total_seconds() < PUSH_LEG_TIMEOUT_S - 2
-
-
-def test_push_consumer_error_is_passed_through_with_the_leg(push_env, push_proxy):
-    error = {"object": "error", "message": "kv_checksum_mismatch: corrupt (group 0 blocks [3])", "code": 503}
-    push_env["servers"]["p-consumer"].reply = (503, error)
-    r = push_proxy.post("/pairs/p/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 503 and r.json() == error
-    assert r.headers["X-KVCS-Failed-Leg"] == "decode"
-    assert len(push_env["servers"]["p-producer"].received) == 1
-
-
-def test_push_unreachable_consumer_is_502_naming_the_leg(push_env, push_proxy):
-    r = push_proxy.post("/pairs/deadc/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 502 and r.headers["X-KVCS-Failed-Leg"] == "decode"
-    assert push_env["nobody"] in r.json()["error"]["message"]
-    assert len(push_env["servers"]["deadc-producer"].received) == 1
-
-
-def test_push_consumer_timeout_is_504(push_env, push_proxy):
-    push_env["servers"]["p-consumer"].reply = "hang"  # no WRITE ever arrives
-    r = push_proxy.post("/pairs/p/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 504 and r.headers["X-KVCS-Failed-Leg"] == "decode"
-    assert f"within {PUSH_LEG_TIMEOUT_S} s" in r.json()["error"]["message"]
-
-
-def test_push_invalid_and_streaming_requests_reach_no_server(push_env, push_proxy):
-    assert push_proxy.post("/v1/completions", content=b"{nope",
-                           headers={"Content-Type": "application/json"}).status_code == 400
-    assert push_proxy.post("/v1/completions", json={"prompt": "x", "stream": True}).status_code == 400
-    assert not any(s.received for s in push_env["servers"].values())
 
 
 def test_parse_push_target():
@@ -516,42 +409,6 @@ def test_parse_push_target():
                 "a=e,h:1,1,2,3", "a b=e,h:1", "a=,h:1"]:
         with pytest.raises(ValueError, match="--push-target"):
             parse_push_target(bad)
-
-
-def test_push_targets_match_the_pairs():
-    pairs = [parse_pair("a=http://h:1,http://h:2"), parse_pair("b=http://h:3,http://h:4")]
-    got = with_push_targets(pairs, [parse_push_target("b=eb,h:6,2"), parse_push_target("a=ea,h:5")])
-    assert [(p.name, p.push.engine_id, p.push.port, p.push.tp_size) for p in got] == [
-        ("a", "ea", 5, 1), ("b", "eb", 6, 2)]
-    with pytest.raises(ValueError, match="missing: \\['b'\\]"):
-        with_push_targets(pairs, [parse_push_target("a=ea,h:5")])
-    with pytest.raises(ValueError, match="unknown pair"):
-        with_push_targets(pairs, [parse_push_target("a=ea,h:5"), parse_push_target("b=eb,h:6"),
-                                  parse_push_target("c=ec,h:7")])
-    with pytest.raises(ValueError, match="two targets"):
-        with_push_targets(pairs, [parse_push_target("a=ea,h:5"), parse_push_target("a=eb,h:6")])
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--mode", "push", "--pair", "a=http://h:1,http://h:2"], "needs a --push-target for every pair"),
-    (["--pair", "a=http://h:1,http://h:2", "--push-target", "a=e,h:5"], "for --mode push only"),
-    (["--mode", "push", "--pair", "a=http://h:1,http://h:2", "--push-target", "a=e,h"], "--push-target"),
-])
-def test_push_arguments_are_checked(capsys, argv, message):
-    with pytest.raises(SystemExit) as exc:
-        proxy_main(["--port", "1", *argv])
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_proxy_modes_need_matching_pairs():
-    pull = parse_pair("a=http://h:1,http://h:2")
-    with pytest.raises(ValueError, match="push mode needs"):
-        Proxy([pull], mode="push")
-    with pytest.raises(ValueError, match="push only"):
-        Proxy([with_push_targets([pull], [parse_push_target("a=e,h:5")])[0]])
-    with pytest.raises(ValueError, match="mode must be one of"):
-        Proxy([pull], mode="lmcache")
 
 
 # -------------------------------------------------------------- mooncake mode
@@ -640,160 +497,22 @@ def mc_env(loop, tmp_path_factory):
     servers = {n: MooncakeStandIn(n, loop) for n in ["m-producer", "m-consumer", "deadc-producer"]}
     boot = BootstrapStandIn(loop, [{}, 503, {"0": {"worker_addr": {}}}, bootstrap_answer()])
     boot_deadc = BootstrapStandIn(loop, [bootstrap_answer("eng-deadc")])
-    nobody = f"http://127.0.0.1:{free_port_block()}"
-    tmp = tmp_path_factory.mktemp("mooncake-proxy")
-    with ProcessGroup(log=lambda line: None) as group:
-        url = _start_proxy(group, tmp, [
-            f"m={servers['m-producer'].url},{servers['m-consumer'].url}",
-            f"deadc={servers['deadc-producer'].url},{nobody}",
-        ], "--mode", "mooncake", "--bootstrap", f"m={boot.url}/", "--bootstrap", f"deadc={boot_deadc.url}",
-            "--timeout", str(MOONCAKE_LEG_TIMEOUT_S))
-        yield {"url": url, "servers": servers, "boot": boot, "nobody": nobody, "group": group, "tmp": tmp}
-    for s in [*servers.values(), boot, boot_deadc]:
+    with _legs_at_once_env(tmp_path_factory, "mooncake", servers, "m", "--bootstrap", f"m={boot.url}/",
+                           "--bootstrap", f"deadc={boot_deadc.url}",
+                           "--timeout", str(MOONCAKE_LEG_TIMEOUT_S)) as env:
+        yield {**env, "boot": boot}
+    for s in [boot, boot_deadc]:
         s.close()
-
-
-@pytest.fixture
-def mc_proxy(mc_env):
-    for s in mc_env["servers"].values():
-        s.reset()
-    with httpx.Client(base_url=mc_env["url"], trust_env=False, timeout=SAFETY_S) as client:
-        yield client
 
 
 def test_mooncake_startup_asks_the_bootstrap_server_until_it_names_the_engine(mc_env):
     # Asked at startup, before any completion; again after each answer that
     # named no engine; not again once it named one.
+    # (Before the tests of both modes below, which send mc_env's servers completions.)
     health = _wait_for_engine(mc_env["url"], "m")
     assert health["engines"] == {"m": ENGINE, "deadc": "eng-deadc"}
     assert health["pairs"] == ["m", "deadc"]
     assert mc_env["boot"].queries == 4
-    assert not any(s.received for s in mc_env["servers"].values())
-
-
-def test_mooncake_both_legs_at_once_with_one_request_and_transfer_id(mc_env, mc_proxy, loop):
-    producer, consumer = mc_env["servers"]["m-producer"], mc_env["servers"]["m-consumer"]
-    _wait_for_engine(mc_env["url"], "m")
-    queries = mc_env["boot"].queries
-    # The producer answers only once the consumer leg reached the consumer:
-    # a proxy that waited for the producer's answer first would time out.
-    _gate(mc_env, loop, "m")
-    body = {"model": "m", "prompt": "hello there", "max_tokens": 7, "min_tokens": 2, "temperature": 0,
-            "stream_options": {"include_usage": True}, "kv_transfer_params": {"client": "replaced"}}
-    r = mc_proxy.post("/pairs/m/v1/completions", json=body, headers={"X-Request-Id": "req-m1"})
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == "decoded by m-consumer"
-    assert r.headers["X-KVCS-Request-Id"] == "req-m1" and "X-KVCS-Failed-Leg" not in r.headers
-
-    [prefill] = producer.received
-    [decode] = consumer.received
-    assert prefill["headers"]["X-Request-Id"] == decode["headers"]["X-Request-Id"] == "req-m1"
-    transfer_id = prefill["json"]["kv_transfer_params"]["transfer_id"]
-    assert TRANSFER_ID.fullmatch(transfer_id)
-    assert prefill["json"]["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
-                                                     "transfer_id": transfer_id}
-    assert prefill["json"]["max_tokens"] == 1 and prefill["json"]["stream"] is False
-    assert "min_tokens" not in prefill["json"] and "stream_options" not in prefill["json"]
-    assert prefill["json"]["prompt"] == "hello there"
-    # The client's request, with the producer's bootstrap server (as given,
-    # without the trailing slash), engine id and the same transfer id.
-    assert decode["json"] == {**body, "kv_transfer_params": {
-        "do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": mc_env["boot"].url,
-        "remote_engine_id": ENGINE, "transfer_id": transfer_id}}
-    assert mc_env["boot"].queries == queries  # the engine id is not asked per request
-
-
-def test_mooncake_each_completion_has_its_own_transfer_id(mc_env, mc_proxy):
-    for _ in range(3):
-        r = mc_proxy.post("/pairs/m/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        assert r.status_code == 200, r.text
-    producer, consumer = mc_env["servers"]["m-producer"], mc_env["servers"]["m-consumer"]
-    ids = [x["json"]["kv_transfer_params"]["transfer_id"] for x in producer.received]
-    assert len(set(ids)) == 3
-    assert sorted(ids) == sorted(x["json"]["kv_transfer_params"]["transfer_id"] for x in consumer.received)
-
-
-def test_mooncake_default_route_and_generated_id(mc_env, mc_proxy):
-    r = mc_proxy.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
-    assert r.status_code == 200, r.text
-    request_id = r.headers["X-KVCS-Request-Id"]
-    assert re.fullmatch(r"[0-9a-f]{32}", request_id)
-    [prefill] = mc_env["servers"]["m-producer"].received
-    [decode] = mc_env["servers"]["m-consumer"].received
-    assert prefill["headers"]["X-Request-Id"] == decode["headers"]["X-Request-Id"] == request_id
-
-
-@pytest.mark.parametrize("status, body", [
-    (400, {"object": "error", "message": "prompt is too long", "code": 400}),
-    (500, b"engine died"),
-])
-def test_mooncake_producer_error_cancels_the_waiting_consumer_leg(mc_env, mc_proxy, loop, status, body):
-    producer, consumer = mc_env["servers"]["m-producer"], mc_env["servers"]["m-consumer"]
-    _gate(mc_env, loop, "m")
-    producer.reply = (status, body)
-    consumer.reply = "hang"  # waits for KV that will not be sent
-    r = mc_proxy.post("/pairs/m/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "bad-m"})
-    assert r.status_code == status
-    assert r.content == (body if isinstance(body, bytes) else json.dumps(body).encode())
-    assert r.headers["X-KVCS-Failed-Leg"] == "prefill" and r.headers["X-KVCS-Request-Id"] == "bad-m"
-    assert len(consumer.received) == 1
-    assert _wait(consumer.cancelled)
-    assert r.elapsed.total_seconds() < MOONCAKE_LEG_TIMEOUT_S - 2
-
-
-@pytest.mark.parametrize("reply, words", [
-    # EOS as the first token: the request finished by stop, Mooncake sends nothing.
-    ({"choices": [{"text": "", "finish_reason": "stop"}], "kv_transfer_params": None},
-     ["finish_reason 'stop'", "'length'", "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"]),
-    ({"choices": []}, ["finish_reason None"]),
-    ({"id": "no choices"}, ["finish_reason None"]),
-    (b"not json", ["not a JSON object"]),
-    (b"[1]", ["not a JSON object"]),
-])
-def test_mooncake_producer_that_sends_no_kv_is_502(mc_env, mc_proxy, loop, reply, words):
-    producer, consumer = mc_env["servers"]["m-producer"], mc_env["servers"]["m-consumer"]
-    _gate(mc_env, loop, "m")
-    producer.reply = (200, reply)
-    consumer.reply = "hang"
-    r = mc_proxy.post("/pairs/m/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 502 and r.headers["X-KVCS-Failed-Leg"] == "prefill"
-    message = r.json()["error"]["message"]
-    assert producer.url in message
-    for word in words:
-        assert word in message, (word, message)
-    assert len(consumer.received) == 1
-    assert _wait(consumer.cancelled)
-    assert r.elapsed.total_seconds() < MOONCAKE_LEG_TIMEOUT_S - 2
-
-
-def test_mooncake_consumer_error_is_passed_through_with_the_leg(mc_env, mc_proxy):
-    error = {"object": "error", "message": "kv_checksum_mismatch: corrupt (group 0 blocks [3])", "code": 503}
-    mc_env["servers"]["m-consumer"].reply = (503, error)
-    r = mc_proxy.post("/pairs/m/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 503 and r.json() == error
-    assert r.headers["X-KVCS-Failed-Leg"] == "decode"
-    assert len(mc_env["servers"]["m-producer"].received) == 1
-
-
-def test_mooncake_unreachable_consumer_is_502_naming_the_leg(mc_env, mc_proxy):
-    r = mc_proxy.post("/pairs/deadc/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 502 and r.headers["X-KVCS-Failed-Leg"] == "decode"
-    assert mc_env["nobody"] in r.json()["error"]["message"]
-    [prefill] = mc_env["servers"]["deadc-producer"].received
-    assert TRANSFER_ID.fullmatch(prefill["json"]["kv_transfer_params"]["transfer_id"])
-
-
-def test_mooncake_consumer_timeout_is_504(mc_env, mc_proxy):
-    mc_env["servers"]["m-consumer"].reply = "hang"  # the transfer never completes
-    r = mc_proxy.post("/pairs/m/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 504 and r.headers["X-KVCS-Failed-Leg"] == "decode"
-    assert f"within {MOONCAKE_LEG_TIMEOUT_S} s" in r.json()["error"]["message"]
-
-
-def test_mooncake_invalid_and_streaming_requests_reach_no_server(mc_env, mc_proxy):
-    assert mc_proxy.post("/v1/completions", content=b"{nope",
-                         headers={"Content-Type": "application/json"}).status_code == 400
-    assert mc_proxy.post("/v1/completions", json={"prompt": "x", "stream": True}).status_code == 400
     assert not any(s.received for s in mc_env["servers"].values())
 
 
@@ -860,19 +579,259 @@ def test_parse_bootstrap():
             parse_bootstrap(bad)
 
 
-def test_bootstraps_match_the_pairs():
+# ------------------------------------------------- push and mooncake: legs at once
+#
+# What both modes share: both legs go out at once with the request's id, a
+# producer error cancels the consumer leg that waits for KV, consumer errors
+# and timeouts name the decode leg. Each test runs once per mode (the `mode`
+# fixture, or a parametrize of `mode` with the mode's own cases); where the
+# modes differ (push: the producer's NIXL coordinates and engine ids;
+# mooncake: the transfer id and the bootstrap server), a branch says so.
+
+LEGS_AT_ONCE = {"push": ("push_env", "p", PUSH_LEG_TIMEOUT_S),
+                "mooncake": ("mc_env", "m", MOONCAKE_LEG_TIMEOUT_S)}
+
+
+@pytest.fixture(params=list(LEGS_AT_ONCE))
+def mode(request) -> str:
+    # Function scope: pytest keeps the file's order (mc_env's startup test first).
+    return request.param
+
+
+@dataclass
+class LegsAtOnce:
+    """One mode's proxy as a test uses it: its env, a client, the pair (p or
+    m) and the proxy's --timeout."""
+
+    mode: str
+    env: dict
+    client: httpx.Client
+    pair: str
+    leg_timeout_s: int
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def producer(self) -> PushStandIn:
+        return self.env["servers"][f"{self.pair}-producer"]
+
+    @property
+    def consumer(self) -> PushStandIn:
+        return self.env["servers"][f"{self.pair}-consumer"]
+
+    def post(self, json: dict, request_id: str | None = None, pair: str | None = None) -> httpx.Response:
+        headers = {"X-Request-Id": request_id} if request_id else {}
+        return self.client.post(f"/pairs/{pair or self.pair}/v1/completions", json=json, headers=headers)
+
+    def gate(self) -> None:
+        """The producer answers once its consumer got the consumer leg."""
+        gate = asyncio.run_coroutine_threadsafe(_event(), self.loop).result(SAFETY_S)
+        self.producer.gate = self.consumer.gate = gate
+
+
+@pytest.fixture
+def legs(mode, request, loop):
+    env_fixture, pair, leg_timeout_s = LEGS_AT_ONCE[mode]
+    env = request.getfixturevalue(env_fixture)
+    with _fresh_client(env) as client:
+        yield LegsAtOnce(mode, env, client, pair, leg_timeout_s, loop)
+
+
+def test_both_legs_at_once_with_one_request_id(legs):
+    if legs.mode == "mooncake":
+        _wait_for_engine(legs.env["url"], legs.pair)
+        queries = legs.env["boot"].queries
+    # The producer answers only once the consumer leg reached the consumer:
+    # a proxy that waited for the producer's answer first would get no
+    # answer within its --timeout here.
+    legs.gate()
+    body = {"model": "m", "prompt": "hello there", "max_tokens": 7, "min_tokens": 2, "temperature": 0,
+            "stream_options": {"include_usage": True}, "kv_transfer_params": {"client": "replaced"}}
+    request_id = f"req-{legs.pair}1"
+    r = legs.post(body, request_id)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == f"decoded by {legs.pair}-consumer"
+    assert r.headers["X-KVCS-Request-Id"] == request_id and "X-KVCS-Failed-Leg" not in r.headers
+
+    [prefill] = legs.producer.received
+    [decode] = legs.consumer.received
+    # The same id on both legs: the producer pairs the consumer's
+    # registration (push) or transfer (mooncake) with its own request by it.
+    assert prefill["headers"]["X-Request-Id"] == decode["headers"]["X-Request-Id"] == request_id
+    assert prefill["json"]["max_tokens"] == 1 and prefill["json"]["stream"] is False
+    assert "min_tokens" not in prefill["json"] and "stream_options" not in prefill["json"]
+    assert prefill["json"]["prompt"] == "hello there"
+    if legs.mode == "push":
+        assert prefill["json"]["kv_transfer_params"] == NO_DECODE
+        # The producer's coordinates, not its answer (no block ids, no checksums).
+        assert decode["json"] == {**body, "kv_transfer_params": push_decode_params(request_id)}
+    else:
+        transfer_id = prefill["json"]["kv_transfer_params"]["transfer_id"]
+        assert TRANSFER_ID.fullmatch(transfer_id)
+        assert prefill["json"]["kv_transfer_params"] == {**NO_DECODE, "transfer_id": transfer_id}
+        # The client's request, with the producer's bootstrap server (as given,
+        # without the trailing slash), engine id and the same transfer id.
+        assert decode["json"] == {**body, "kv_transfer_params": {
+            "do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": legs.env["boot"].url,
+            "remote_engine_id": ENGINE, "transfer_id": transfer_id}}
+        assert legs.env["boot"].queries == queries  # the engine id is not asked per request
+
+
+def test_default_route_and_generated_id(legs):
+    r = legs.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    request_id = r.headers["X-KVCS-Request-Id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", request_id)
+    [prefill] = legs.producer.received
+    [decode] = legs.consumer.received
+    assert prefill["headers"]["X-Request-Id"] == decode["headers"]["X-Request-Id"] == request_id
+    if legs.mode == "push":
+        assert decode["json"]["kv_transfer_params"] == push_decode_params(request_id)
+
+
+@pytest.mark.parametrize("mode", ["mooncake"])
+def test_mooncake_each_completion_has_its_own_transfer_id(legs):
+    for _ in range(3):
+        r = legs.post({"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    ids = [x["json"]["kv_transfer_params"]["transfer_id"] for x in legs.producer.received]
+    assert len(set(ids)) == 3
+    assert sorted(ids) == sorted(x["json"]["kv_transfer_params"]["transfer_id"] for x in legs.consumer.received)
+
+
+def _consumer_leg_was_cancelled(legs: LegsAtOnce, r: httpx.Response) -> None:
+    # The consumer got its leg, and the proxy hung up on it at once (vLLM
+    # then aborts the request) instead of leaving it waiting.
+    assert len(legs.consumer.received) == 1
+    assert _wait(legs.consumer.cancelled)
+    assert r.elapsed.total_seconds() < legs.leg_timeout_s - 2
+
+
+@pytest.mark.parametrize("status, body", [
+    (400, {"object": "error", "message": "prompt is too long", "code": 400}),
+    (500, b"engine died"),
+])
+def test_producer_error_cancels_the_waiting_consumer_leg(legs, status, body):
+    legs.gate()
+    legs.producer.reply = (status, body)
+    legs.consumer.reply = "hang"  # waits for KV (a WRITE, a transfer) that will not come
+    r = legs.post({"prompt": "x"}, f"bad-{legs.pair}")
+    assert r.status_code == status
+    assert r.content == (body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert r.headers["X-KVCS-Failed-Leg"] == "prefill" and r.headers["X-KVCS-Request-Id"] == f"bad-{legs.pair}"
+    _consumer_leg_was_cancelled(legs, r)
+
+
+def _push_reply(params) -> dict:
+    return {"choices": [{"text": "x"}], "kv_transfer_params": params}
+
+
+@pytest.mark.parametrize("mode, reply, words", [
+    # push: a producer whose answer does not let it WRITE to the consumer.
+    pytest.param("push", _push_reply(None), ["returned no kv_transfer_params", "NixlPushConnector"],
+                 id="push-no-params"),
+    pytest.param("push", _push_reply({**push_producer_params(), "transfer_mode": "pull"}),
+                 ["not a push producer", "'pull'", "--mode pull"], id="push-pull-producer"),
+    pytest.param("push", _push_reply({k: v for k, v in push_producer_params().items() if k != "transfer_mode"}),
+                 ["not a push producer"], id="push-no-transfer-mode"),
+    pytest.param("push", _push_reply(push_producer_params("random-engine")),
+                 ["'random-engine'", "'engine-p'", "engine_id"], id="push-other-engine"),
+    # mooncake: EOS as the first token: the request finished by stop, Mooncake sends nothing.
+    pytest.param("mooncake", {"choices": [{"text": "", "finish_reason": "stop"}], "kv_transfer_params": None},
+                 ["finish_reason 'stop'", "'length'", "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"],
+                 id="mooncake-stop"),
+    pytest.param("mooncake", {"choices": []}, ["finish_reason None"], id="mooncake-no-choice"),
+    pytest.param("mooncake", {"id": "no choices"}, ["finish_reason None"], id="mooncake-no-choices"),
+    pytest.param("mooncake", b"not json", ["not a JSON object"], id="mooncake-not-json"),
+    pytest.param("mooncake", b"[1]", ["not a JSON object"], id="mooncake-json-list"),
+])
+def test_producer_that_sends_no_kv_is_502(legs, reply, words):
+    legs.gate()
+    legs.producer.reply = (200, reply)
+    legs.consumer.reply = "hang"
+    r = legs.post({"prompt": "x"})
+    assert r.status_code == 502 and r.headers["X-KVCS-Failed-Leg"] == "prefill"
+    message = r.json()["error"]["message"]
+    assert legs.producer.url in message
+    for word in words:
+        assert word in message, (word, message)
+    _consumer_leg_was_cancelled(legs, r)
+
+
+def test_consumer_error_is_passed_through_with_the_leg_at_once(legs):
+    error = {"object": "error", "message": "kv_checksum_mismatch: corrupt (group 0 blocks [3])", "code": 503}
+    legs.consumer.reply = (503, error)
+    r = legs.post({"prompt": "x"})
+    assert r.status_code == 503 and r.json() == error
+    assert r.headers["X-KVCS-Failed-Leg"] == "decode"
+    assert len(legs.producer.received) == 1
+
+
+def test_unreachable_consumer_is_502_naming_the_leg(legs):
+    r = legs.post({"prompt": "x"}, pair="deadc")
+    assert r.status_code == 502 and r.headers["X-KVCS-Failed-Leg"] == "decode"
+    assert legs.env["nobody"] in r.json()["error"]["message"]
+    [prefill] = legs.env["servers"]["deadc-producer"].received
+    if legs.mode == "mooncake":
+        assert TRANSFER_ID.fullmatch(prefill["json"]["kv_transfer_params"]["transfer_id"])
+
+
+def test_consumer_timeout_is_504(legs):
+    legs.consumer.reply = "hang"  # the KV (a WRITE, a transfer) never arrives
+    r = legs.post({"prompt": "x"})
+    assert r.status_code == 504 and r.headers["X-KVCS-Failed-Leg"] == "decode"
+    assert f"within {legs.leg_timeout_s} s" in r.json()["error"]["message"]
+
+
+def test_invalid_and_streaming_requests_reach_no_server(legs):
+    assert legs.client.post("/v1/completions", content=b"{nope",
+                            headers={"Content-Type": "application/json"}).status_code == 400
+    assert legs.client.post("/v1/completions", json={"prompt": "x", "stream": True}).status_code == 400
+    assert not any(s.received for s in legs.env["servers"].values())
+
+
+def test_proxy_modes_need_matching_pairs():
+    """Push pairs need a push target, mooncake pairs a bootstrap server; each only in its mode."""
+    pull = parse_pair("a=http://h:1,http://h:2")
+    for mode in ("push", "mooncake"):
+        with pytest.raises(ValueError, match=f"{mode} mode needs"):
+            Proxy([pull], mode=mode)
+    with pytest.raises(ValueError, match="push only"):
+        Proxy([with_push_targets([pull], [parse_push_target("a=e,h:5")])[0]])
+    with pytest.raises(ValueError, match="mode must be one of"):
+        Proxy([pull], mode="lmcache")
+    mooncake = with_bootstraps([pull], [parse_bootstrap("a=http://h:5")])[0]
+    for mode in ("pull", "push"):
+        with pytest.raises(ValueError, match="mooncake only"):
+            Proxy([replace(mooncake, push=PushTarget("e", "h", 5))] if mode == "push" else [mooncake], mode=mode)
+    with pytest.raises(ValueError, match="push only"):
+        Proxy([replace(mooncake, push=PushTarget("e", "h", 5))], mode="mooncake")
+    assert Proxy([mooncake], mode="mooncake").mode == "mooncake"
+
+
+@pytest.mark.parametrize("parse, attach, b, a, other_a, c, of_pair, want, two", [
+    pytest.param(parse_push_target, with_push_targets, "b=eb,h:6,2", "a=ea,h:5", "a=eb,h:6", "c=ec,h:7",
+                 lambda p: (p.name, p.push.engine_id, p.push.port, p.push.tp_size),
+                 [("a", "ea", 5, 1), ("b", "eb", 6, 2)], "two targets", id="push"),
+    pytest.param(parse_bootstrap, with_bootstraps, "b=http://h:6", "a=http://h:5", "a=http://h:6", "c=http://h:5",
+                 lambda p: (p.name, p.bootstrap, p.push),
+                 [("a", "http://h:5", None), ("b", "http://h:6", None)], "two bootstrap servers", id="mooncake"),
+])
+def test_push_targets_and_bootstraps_match_the_pairs(parse, attach, b, a, other_a, c, of_pair, want, two):
+    """--push-target (push) and --bootstrap (mooncake): one for each pair, in the pairs' order."""
     pairs = [parse_pair("a=http://h:1,http://h:2"), parse_pair("b=http://h:3,http://h:4")]
-    got = with_bootstraps(pairs, [parse_bootstrap("b=http://h:6"), parse_bootstrap("a=http://h:5")])
-    assert [(p.name, p.bootstrap, p.push) for p in got] == [("a", "http://h:5", None), ("b", "http://h:6", None)]
+    assert [of_pair(p) for p in attach(pairs, [parse(b), parse(a)])] == want
     with pytest.raises(ValueError, match="missing: \\['b'\\]"):
-        with_bootstraps(pairs, [parse_bootstrap("a=http://h:5")])
+        attach(pairs, [parse(a)])
     with pytest.raises(ValueError, match="unknown pair"):
-        with_bootstraps(pairs, [parse_bootstrap(f"{n}=http://h:5") for n in "abc"])
-    with pytest.raises(ValueError, match="two bootstrap servers"):
-        with_bootstraps(pairs, [parse_bootstrap("a=http://h:5"), parse_bootstrap("a=http://h:6")])
+        attach(pairs, [parse(a), parse(b), parse(c)])
+    with pytest.raises(ValueError, match=two):
+        attach(pairs, [parse(a), parse(other_a)])
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--mode", "push", "--pair", "a=http://h:1,http://h:2"], "needs a --push-target for every pair"),
+    (["--pair", "a=http://h:1,http://h:2", "--push-target", "a=e,h:5"], "for --mode push only"),
+    (["--mode", "push", "--pair", "a=http://h:1,http://h:2", "--push-target", "a=e,h"], "--push-target"),
     (["--mode", "mooncake", "--pair", "a=http://h:1,http://h:2"], "needs a --bootstrap for every pair"),
     (["--pair", "a=http://h:1,http://h:2", "--bootstrap", "a=http://h:5"], "for --mode mooncake only"),
     (["--mode", "push", "--pair", "a=http://h:1,http://h:2", "--push-target", "a=e,h:5",
@@ -881,21 +840,8 @@ def test_bootstraps_match_the_pairs():
       "--push-target", "a=e,h:5"], "for --mode push only"),
     (["--mode", "mooncake", "--pair", "a=http://h:1,http://h:2", "--bootstrap", "a=h:5"], "--bootstrap"),
 ])
-def test_mooncake_arguments_are_checked(capsys, argv, message):
+def test_mode_arguments_are_checked(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         proxy_main(["--port", "1", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
-
-
-def test_proxy_mooncake_mode_needs_bootstraps():
-    pull = parse_pair("a=http://h:1,http://h:2")
-    with pytest.raises(ValueError, match="mooncake mode needs"):
-        Proxy([pull], mode="mooncake")
-    mooncake = with_bootstraps([pull], [parse_bootstrap("a=http://h:5")])[0]
-    for mode in ("pull", "push"):
-        with pytest.raises(ValueError, match="mooncake only"):
-            Proxy([replace(mooncake, push=PushTarget("e", "h", 5))] if mode == "push" else [mooncake], mode=mode)
-    with pytest.raises(ValueError, match="push only"):
-        Proxy([replace(mooncake, push=PushTarget("e", "h", 5))], mode="mooncake")
-    assert Proxy([mooncake], mode="mooncake").mode == "mooncake"

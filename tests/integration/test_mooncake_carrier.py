@@ -125,6 +125,12 @@ def test_carrier_is_the_connector_for_mooncake_transfers():
     assert c.kv_checksum_carrier(req(do_remote_prefill=True, do_remote_decode=True, transfer_id="t"), True) is None
 
 
+def test_startup_line_names_the_carrier():
+    from vllm_kvchecksum.scheduler import _carrier_name
+
+    assert _carrier_name(make_side("kv_consumer", connector=MOONCAKE).scheduler.connector) == "connector"
+
+
 def test_producer_scheduler_ships_checksums_in_the_next_metadata_once():
     """Real MooncakeConnector scheduler + real checksum scheduler (pd_harness)."""
     P = make_side("kv_producer", connector=MOONCAKE)

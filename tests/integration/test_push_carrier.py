@@ -8,6 +8,10 @@
 - The notif crosses two real NIXL agents (UCX, CPU memory, loopback) on a
   real WRITE; the consumer worker's code parses it, completes the load and
   reports the checksums with it.
+- The generic connector-owned carrier this patch adds: MultiConnector's
+  forwarding, both model runners passing delivered checksums to the
+  checksum worker, and the consumer scheduler taking the first copy and
+  decoding it like any untrusted payload.
 
 The push workers are built without __init__ (as vLLM's own push tests do):
 a full worker needs a running engine's handshake. Only the NIXL base
@@ -26,19 +30,26 @@ import uuid
 from collections import defaultdict
 from unittest.mock import MagicMock, patch
 
+import base64
+
+import msgpack
 import msgspec
 import pytest
 import torch
-from pd_harness import make_side, prefill, prompt_of, stats
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from pd_harness import (CONNECTORS, carrier_request, load, make_request, make_side, prefill, prompt_of, runner_step,
+                        scheduler_connector, stats)
+from test_verified_loads import PROMPT, nested
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import push_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (KV_CHECKSUM_NOTIF_PREFIX,
                                                                         NIXL_CONNECTOR_VERSION,
                                                                         NixlConnectorMetadata)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from vllm_kvchecksum.carrier import KVChecksumCarrier
 from vllm_kvchecksum.payload import KVChecksumPayload
 
 PUSH = "NixlPushConnector"
@@ -306,3 +317,158 @@ def test_received_checksums_of_a_dropped_load_are_released():
     del consumer._recving_metadata["d"]  # e.g. the load expired
     transfer_results(consumer)
     assert consumer._received_kv_checksums == {}
+
+
+# -- the generic carrier ---------------------------------------------------------
+
+connector, request = scheduler_connector, carrier_request
+
+
+def test_nixl_push_carries_them_in_its_own_messages():
+    c = connector("NixlPushConnector")
+    assert c.can_carry_kv_checksums()
+    assert c.kv_checksum_carrier(request(do_remote_decode=True), receiving=False) is KVChecksumCarrier.CONNECTOR
+    assert c.kv_checksum_carrier(request(do_remote_prefill=True), receiving=True) is KVChecksumCarrier.CONNECTOR
+    assert c.kv_checksum_carrier(request(), receiving=False) is None
+
+
+def test_default_connector_sends_no_checksums():
+    assert KVConnectorBase_V1.send_kv_checksums(None, request(), b"x") is False
+
+
+class _Child:
+    """A sub-connector that records what MultiConnector forwards to it."""
+
+    def __init__(self, carrier, sends=True, results=None):
+        self.carrier, self.sends, self.results, self.sent = carrier, sends, results, []
+
+    def kv_checksum_carrier(self, request, receiving):
+        return self.carrier
+
+    def send_kv_checksums(self, request, checksums):
+        self.sent.append((request.request_id, checksums))
+        return self.sends
+
+    def get_transfer_results(self, finished_req_ids):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        return self.results or KVConnectorTransferResults()
+
+
+def test_multi_connector_sends_through_the_carrying_child(multi):
+    children = [_Child(None), _Child(KVChecksumCarrier.CONNECTOR), _Child(KVChecksumCarrier.CONNECTOR)]
+    multi._connectors = children
+    assert multi.send_kv_checksums(request(do_remote_decode=True), b"CS") is True
+    assert [c.sent for c in children] == [[], [("r", b"CS")], []]
+    children[1].sends = False
+    assert multi.send_kv_checksums(request(do_remote_decode=True), b"CS") is False
+    multi._connectors = [_Child(None)]
+    assert multi.send_kv_checksums(request(do_remote_decode=True), b"CS") is False
+
+
+def test_multi_connector_merges_childrens_checksums(multi):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    multi._connectors = [
+        _Child(None, results=KVConnectorTransferResults(finished_recving={"a"}, kv_checksums={"a": b"1"})),
+        _Child(None, results=KVConnectorTransferResults(finished_recving={"b"},
+                                                        kv_checksums={"b": b"2", "a": b"other"})),
+    ]
+    results = multi.get_transfer_results(set())
+    assert results.finished_recving == {"a", "b"}
+    assert results.kv_checksums == {"a": b"1", "b": b"2"}
+
+
+def test_startup_line_names_the_push_carrier():
+    from vllm_kvchecksum.scheduler import _carrier_name
+
+    assert _carrier_name(connector("NixlPushConnector")) == "connector"
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_connector_delivered_checksums_pass_through_each_model_runner(runner, logs):
+    """NIXL push: the workers' connector reports the producer's checksums
+    with the finished load; each runner hands them to the checksum worker."""
+    P = make_side("kv_producer", tp=2, connector=CONNECTORS["push"])
+    C = make_side("kv_consumer", tp=2, fail_closed=True, policy="recompute", connector=CONNECTORS["push"])
+    for delivered, verdict in ((True, "verified"), (False, "unverified")):
+        preq, params = prefill(P, prompt_of(PROMPT, seed=int(delivered)))
+        carried = params.pop("kv_checksums")
+        req = make_request(preq.prompt_token_ids, params=dict(params))
+        C.scheduler.add_request(req)
+        runner_step(C, runner)
+        C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
+        runner_step(C, runner, finished_recving={req.request_id},
+                    received={req.request_id: carried} if delivered else None)
+        assert stats(C).get(verdict) == 1, logs.text
+
+
+@pytest.mark.parametrize("bad", [
+    b"", b"\xc1", nested(5000), msgpack.packb([2, [1, 1, []]]), b"\x92" + b"\x01" * 64,
+], ids=["empty", "bad-msgpack", "deep", "version-2", "junk"])
+def test_malformed_connector_checksums_never_raise(bad, logs):
+    """Bytes a connector-owned carrier delivers come from another host."""
+    P = make_side("kv_producer", connector=CONNECTORS["push"])
+    C = make_side("kv_consumer", connector=CONNECTORS["push"], fail_closed=True, policy="recompute")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    params["kv_checksums"] = bad
+    result = load(C, P, preq, params)
+    assert stats(C) == {"unverified": 1}
+    assert "connector message" in logs.text
+    assert result.next_scheduled == PROMPT
+
+
+def changed_value(payload: bytes) -> bytes:
+    """The payload with block position 2 of group 0 changed."""
+    from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
+
+    decoded = KVChecksumPayload.from_bytes(payload)
+    group = decoded.groups[0]
+    values = group.values.copy()
+    values[2] ^= 1
+    groups = {**decoded.groups, 0: PayloadGroup(group.fingerprint, group.block_size, group.start, values)}
+    return KVChecksumPayload(decoded.num_tokens, decoded.producer_tp_size, groups).to_bytes()
+
+
+def test_connector_checksums_first_copy_is_kept(logs):
+    """Several workers deliver a load's checksums: the first copy counts
+    (here it is wrong, so the load is a mismatch though later copies are right)."""
+    P = make_side("kv_producer", connector=CONNECTORS["push"], tp=2)
+    C = make_side("kv_consumer", connector=CONNECTORS["push"], tp=2)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    good = params.pop("kv_checksums")
+    wrong = changed_value(good)
+    from pd_harness import make_request
+
+    req = make_request(preq.prompt_token_ids, params=params, block_size=C.block_size)
+    C.scheduler.add_request(req)
+    C.step()
+    C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
+    out = C.scheduler.schedule()
+    from vllm_kvchecksum.runner import checksum_step
+
+    outputs = []
+    for w, copy in zip(C.workers, (wrong, good)):
+        checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, {req.request_id},
+                                  received={req.request_id: copy})
+        outputs.append(C.runner_output(out, KVConnectorOutput(finished_recving={req.request_id},
+                                                              kv_checksums=checksums)))
+    C.update(out, C.aggregator.aggregate(outputs, 0))
+    assert stats(C) == {"mismatch": 1}, logs.text
+
+
+def test_received_checksums_of_a_params_carried_load_are_ignored(logs):
+    """A pull load compares with its kv_transfer_params; bytes a worker
+    reports for it (a misbehaving connector) change nothing."""
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=True)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    wrong = changed_value(base64.b64decode(params["kv_checksums"]))
+    from pd_harness import make_request
+
+    req = make_request(preq.prompt_token_ids, params=dict(params), block_size=C.block_size)
+    C.scheduler.add_request(req)
+    C.step()
+    C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
+    C.step(finished_recving={req.request_id}, received={req.request_id: wrong})
+    assert stats(C) == {"verified": 1}, logs.text
