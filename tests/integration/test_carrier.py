@@ -1,6 +1,5 @@
 """Which requests a connector carries checksums for, and how."""
 
-import pytest
 from pd_harness import carrier_request, scheduler_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 

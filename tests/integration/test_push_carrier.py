@@ -6,8 +6,9 @@
 - P worker: start_load_kv puts them in the writer's queue item with the
   blocks; the writer keeps them until eviction and builds the notif.
 - The notif crosses two real NIXL agents (UCX, CPU memory, loopback) on a
-  real WRITE; the consumer worker's code parses it, completes the load and
-  reports the checksums with it.
+  real WRITE (in a child process, nixl_write.py: agents crash an
+  interpreter at exit); the consumer worker's code parses the notif the
+  agent received, completes the load and reports the checksums with it.
 - The generic connector-owned carrier this patch adds: MultiConnector's
   forwarding, both model runners passing delivered checksums to the
   checksum worker, and the consumer scheduler taking the first copy and
@@ -22,12 +23,14 @@ is the real one.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
+import subprocess
+import sys
 import threading
-import time
-import uuid
 from collections import defaultdict
+from pathlib import Path
 from unittest.mock import MagicMock, patch
 
 import base64
@@ -35,7 +38,6 @@ import base64
 import msgpack
 import msgspec
 import pytest
-import torch
 from pd_harness import (CONNECTORS, carrier_request, load, make_request, make_side, prefill, prompt_of, runner_step,
                         scheduler_connector, stats)
 from test_verified_loads import PROMPT, nested
@@ -201,41 +203,17 @@ def test_connector_version_changed_for_the_new_notif_form():
 
 # -- the notif over real NIXL agents, parsed by the consumer ---------------------
 
-@pytest.fixture(scope="module")
-def agents():
-    """A producer and a consumer NIXL agent (UCX) with 4 KiB of CPU memory each."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    config = nixl_agent_config(backends=["UCX"])
-    p = nixl_agent(f"P-{uuid.uuid4().hex[:8]}", config)
-    d = nixl_agent(f"D-{uuid.uuid4().hex[:8]}", config)
-    src = torch.arange(1024, dtype=torch.int32)
-    dst = torch.zeros(1024, dtype=torch.int32)
-    p.register_memory(p.get_reg_descs(src))
-    d.register_memory(d.get_reg_descs(dst))
-    p.add_remote_agent(d.get_agent_metadata())
-    d.add_remote_agent(p.get_agent_metadata())
-    yield p, d, src, dst
-    p.remove_remote_agent(d.name)
-    d.remove_remote_agent(p.name)
-
-
-def write_with_notif(agents, notif: bytes) -> list[bytes]:
-    """WRITE the producer's buffer into the consumer's, with `notif`; the
-    notifs the consumer agent then receives."""
-    p, d, src, dst = agents
-    dst.zero_()
-    handle = p.initialize_xfer("WRITE", p.get_xfer_descs(src), p.get_xfer_descs(dst), d.name, notif)
-    assert p.transfer(handle) in ("DONE", "PROC")
-    received: list[bytes] = []
-    deadline = time.monotonic() + 30
-    while not received and time.monotonic() < deadline:
-        assert p.check_xfer_state(handle) != "ERR"
-        for notifs in d.get_new_notifs().values():
-            received.extend(notifs)
-    p.release_xfer_handle(handle)
-    assert torch.equal(dst, src), "the WRITE's data arrived with its notif"
-    return received
+def write_with_notif(notif: bytes) -> list[bytes]:
+    """A real WRITE between two real NIXL agents carrying `notif`; the notifs
+    the consumer agent received. The agents live in a child process
+    (nixl_write.py: they crash an interpreter at exit)."""
+    script = Path(__file__).with_name("nixl_write.py")
+    done = subprocess.run([sys.executable, str(script), notif.hex()], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["data_equal"], "the WRITE's data arrived with its notif"
+    return [bytes.fromhex(n) for n in result["notifs"]]
 
 
 def consumer_loading(req_id: str, pp_size: int = 1) -> NixlPushConnectorWorker:
@@ -245,14 +223,14 @@ def consumer_loading(req_id: str, pp_size: int = 1) -> NixlPushConnectorWorker:
 
 
 @pytest.mark.parametrize("with_checksums", [True, False], ids=["checksums", "plain"])
-def test_real_write_notif_completes_the_load_and_reports_checksums(agents, with_checksums):
+def test_real_write_notif_completes_the_load_and_reports_checksums(with_checksums):
     producer = stub_worker(world_size=1)
     checksums = payload_bytes()
     if with_checksums:
         producer._push_kv_checksums["p-1"] = checksums
     notif = producer._completion_notif("p-1", "d-1")
     assert notif.startswith(KV_CHECKSUM_NOTIF_PREFIX) == with_checksums
-    received = write_with_notif(agents, notif)
+    received = write_with_notif(notif)
     assert received == [notif]
     consumer = consumer_loading("d-1")
     consumer._pending_completion_notifs.put(received[0])
@@ -262,17 +240,17 @@ def test_real_write_notif_completes_the_load_and_reports_checksums(agents, with_
     assert consumer._received_kv_checksums == {}
 
 
-def test_two_producer_ranks_complete_once_and_the_first_copy_is_kept(agents):
+def test_two_producer_ranks_complete_once_and_the_first_copy_is_kept():
     """Producer TP 2 -> consumer TP 1: one notif per writing rank; the load
     finishes on the second, with the first copy of the checksums."""
     first, second = stub_worker(world_size=2), stub_worker(world_size=2)
     first._push_kv_checksums["p"] = payload_bytes(1)
     second._push_kv_checksums["p"] = payload_bytes(2)
     consumer = consumer_loading("d")
-    consumer._pending_completion_notifs.put(write_with_notif(agents, first._completion_notif("p", "d"))[0])
+    consumer._pending_completion_notifs.put(write_with_notif(first._completion_notif("p", "d"))[0])
     results = transfer_results(consumer)
     assert results.finished_recving == set() and results.kv_checksums == {}
-    consumer._pending_completion_notifs.put(write_with_notif(agents, second._completion_notif("p", "d"))[0])
+    consumer._pending_completion_notifs.put(write_with_notif(second._completion_notif("p", "d"))[0])
     results = transfer_results(consumer)
     assert results.finished_recving == {"d"}
     assert results.kv_checksums == {"d": payload_bytes(1)}
