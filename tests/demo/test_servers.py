@@ -208,7 +208,11 @@ def test_server_exiting_before_healthy_raises_and_the_other_is_stopped(stand_in)
     (spec_ok, pids_ok), (spec_bad, pids_bad) = stand_in("ok"), stand_in("bad", "exit3")
     with pytest.raises(ServerFailed) as failed:
         with ProcessGroup(log=lambda line: None) as group:
-            ok, bad = group.start(spec_ok), group.start(spec_bad)
+            ok = group.start(spec_ok)
+            # Its whole tree up first: stopped while still spawning, it would
+            # never record the pids this test checks are gone.
+            tree_pids(pids_ok)
+            bad = group.start(spec_bad)
             group.wait_healthy([ok, bad], timeout=SAFETY_S)
     err = failed.value
     assert err.name == "bad" and err.returncode == 3
