@@ -238,12 +238,13 @@ class KVChecksumScheduler:
 
     def add_recv(self, request: Request, block_ids, num_local_tokens: int, num_tokens: int) -> None:
         """A consumer request's async load of tokens [num_local_tokens, num_tokens) starts."""
-        if self.connector.kv_checksum_carrier(request, True) is None:
+        carrier = self.connector.kv_checksum_carrier(request, True)
+        if carrier is None:
             return
         blocks = KVChecksumBlocks(num_tokens, request_blocks(block_ids, self.layouts, num_local_tokens,
                                                              num_tokens, self.null_block_id))
         pending = _Pending(blocks)
-        if self.connector.kv_checksum_carrier(request, True) is KVChecksumCarrier.CONNECTOR:
+        if carrier is KVChecksumCarrier.CONNECTOR:
             # The connector delivers them to the workers with the load (collect).
             pending.awaiting_connector = True
             pending.missing_reason = ("the connector delivered no KV checksums with the load (is "
