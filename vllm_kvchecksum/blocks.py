@@ -10,12 +10,17 @@ window) dropped, and a group with a null block after a non-null one left
 out. Comparing fewer blocks than were transferred would let corruption in
 the others pass as verified, so the clip must never be re-derived here.
 
+A Mamba (SSM) state group is not per token: the connector transfers one
+block, the request's running state, chosen by vLLM's own clip
+(`clip_ssm_state_blocks`, passed in as `GroupLayout.state_block`). It is
+recorded at position 0, whatever the tokens and block sizes.
+
 This module imports no vLLM: the scheduler glue fills the layouts in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm_kvchecksum.records import GroupBlocks
@@ -27,11 +32,19 @@ class GroupLayout:
 
     window_blocks: how many trailing blocks of the request the connector
       transfers for this group; 0 means every block.
+    state_block: for a Mamba state group, the connector's rule picking the
+      state-bearing blocks from the request's block list (it must pick one);
+      None for per-token groups.
     """
 
     group_id: int
     block_size: int
     window_blocks: int = 0
+    state_block: Callable[[list[int]], Sequence[int]] | None = None
+
+    @property
+    def is_state(self) -> bool:
+        return self.state_block is not None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,7 +53,16 @@ def cdiv(a: int, b: int) -> int:
 
 def group_blocks(block_ids: Sequence[int], layout: GroupLayout, first_token: int, end_token: int,
                  null_block_id: int = 0) -> GroupBlocks | None:
-    """The group's blocks for tokens [first_token, end_token); None if left out."""
+    """The group's blocks for tokens [first_token, end_token); None if left out.
+
+    A state group gives its running-state block at position 0 (tokens do not
+    apply), or None when the rule picks no single non-null block.
+    """
+    if layout.state_block is not None:
+        state = list(layout.state_block(list(block_ids)))
+        if len(state) != 1 or state[0] == null_block_id:
+            return None
+        return GroupBlocks(0, (state[0],))
     bs = layout.block_size
     start, stop = first_token // bs, min(cdiv(end_token, bs), len(block_ids))
     if layout.window_blocks:

@@ -59,6 +59,7 @@ class UnverifiedReason(str, enum.Enum):
     UNSCHEDULED_BLOCKS = "unscheduled_blocks"  # a worker checksummed other blocks
     MALFORMED_RECORD = "malformed_record"  # a record contradicts itself or others
     NO_GROUPS = "no_groups"  # every group skipped on both sides
+    TP_SIZES_DIFFER = "tp_sizes_differ"  # only TP-dependent groups, and the TP sizes differ
     COMPARISON_ERROR = "comparison_error"  # comparing raised (a bug); set by the scheduler glue
     # One group.
     NOT_CHECKSUMMED_BY_PRODUCER = "not_checksummed_by_producer"
@@ -75,11 +76,14 @@ class ConsumerGroupBlocks(NamedTuple):
     """The blocks of one group a consumer's load wrote, as scheduled.
 
     Block positions [start, start + num_blocks) of `block_size` tokens each.
+    state: a Mamba state group: one state, at position 0, compared whatever
+    the block sizes and token counts (a state is not per token).
     """
 
     start: int
     num_blocks: int
     block_size: int
+    state: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ class LoadVerdict:
     groups: per group id; groups skipped on both sides are absent.
     reason_key / reason: set when the load as a whole could not be compared
       (then `groups` is empty).
+    left_out_tp: groups left out because their checksums depend on the TP
+      size (state without a known TP split) and the sizes differ.
     """
 
     req_id: str
@@ -117,6 +123,7 @@ class LoadVerdict:
     groups: dict[int, GroupVerdict] = field(default_factory=dict)
     reason_key: UnverifiedReason | None = None
     reason: str = ""
+    left_out_tp: tuple[int, ...] = ()
 
     @property
     def reason_keys(self) -> tuple[UnverifiedReason, ...]:
@@ -285,6 +292,11 @@ def _skipped_groups(by_worker: Mapping[Worker, KVChecksumRecord]) -> dict[int, s
     return skipped
 
 
+def _tp_local_groups(by_worker: Mapping[Worker, KVChecksumRecord]) -> set[int]:
+    """Groups whose checksums some worker says depend on the TP size."""
+    return {g for record in by_worker.values() for g in record.tp_local_groups}
+
+
 def _model_fingerprint(by_worker: Mapping[Worker, KVChecksumRecord], group_id: int) -> int:
     """The group's fingerprint for the whole model: one per PP stage, summed.
 
@@ -400,8 +412,17 @@ def compare_load(expected: KVChecksumPayload | None, records: Sequence[KVChecksu
     skipped = _skipped_groups(by_worker)
     reports = _group_reports(by_worker, req_id)
     verdicts: dict[int, GroupVerdict] = {}
+    consumer_tp_size = next(iter(by_worker.values())).tp_size
+    left_out_tp = []
+    if expected.producer_tp_size != consumer_tp_size:
+        # Their slices follow each rank's shard, so sums at different TP
+        # sizes differ for the same state: leave them out, like a group
+        # neither side checksums (a hybrid model's other groups still verify).
+        left_out_tp = sorted(_tp_local_groups(by_worker) - set(skipped))
     for group_id in sorted(set(expected.groups) | set(reports) | set(scheduled) | set(skipped)):
         produced = expected.groups.get(group_id)
+        if group_id in left_out_tp:
+            continue
         if group_id in skipped:
             if produced is not None:
                 verdicts[group_id] = _group_unverified(
@@ -421,12 +442,18 @@ def compare_load(expected: KVChecksumPayload | None, records: Sequence[KVChecksu
                 group_id, produced, expected.num_tokens, reports[group_id],
                 _model_fingerprint(by_worker, group_id), scheduled[group_id], num_tokens)
     if not verdicts:
+        if left_out_tp:
+            return LoadVerdict(req_id=req_id, status=CheckStatus.UNVERIFIED,
+                               reason_key=UnverifiedReason.TP_SIZES_DIFFER, left_out_tp=tuple(left_out_tp),
+                               reason=f"groups {left_out_tp} hold state without a known TP split, comparable only "
+                                      f"at equal TP sizes (producer {expected.producer_tp_size}, consumer "
+                                      f"{consumer_tp_size}), and no other group was compared")
         return _load_unverified(req_id, UnverifiedReason.NO_GROUPS,
                                 "every group is skipped on both sides, nothing was compared")
     statuses = {v.status for v in verdicts.values()}
     status = next(s for s in (CheckStatus.MISMATCH, CheckStatus.UNVERIFIED, CheckStatus.VERIFIED)
                   if s in statuses)
-    return LoadVerdict(req_id=req_id, status=status, groups=verdicts)
+    return LoadVerdict(req_id=req_id, status=status, groups=verdicts, left_out_tp=tuple(left_out_tp))
 
 
 def _load_unverified(req_id: str, key: UnverifiedReason, message: str) -> LoadVerdict:
@@ -482,10 +509,12 @@ def _compare_group(group_id: int, produced: PayloadGroup, producer_tokens: int,
     checks = _replica_checks(reports, blocks.num_blocks)
     if isinstance(checks, _Problem):
         return _group_unverified(group_id, *checks)
-    result = _compare_chunks(
-        _BlockValues(produced.start, produced.values[None, :], produced.block_size,
-                    producer_tokens),
-        _BlockValues(blocks.start, checks, blocks.block_size, consumer_tokens))
+    if blocks.state:
+        result = _compare_state(produced, checks)
+    else:
+        result = _compare_chunks(
+            _BlockValues(produced.start, produced.values[None, :], produced.block_size, producer_tokens),
+            _BlockValues(blocks.start, checks, blocks.block_size, consumer_tokens))
     if isinstance(result, _Problem):
         return _group_unverified(group_id, *result)
     mismatched, compared = result
@@ -494,6 +523,24 @@ def _compare_group(group_id: int, produced: PayloadGroup, producer_tokens: int,
                             mismatched_blocks=mismatched, compared_blocks=compared)
     return GroupVerdict(group_id=group_id, status=CheckStatus.VERIFIED,
                         compared_blocks=compared)
+
+
+def _compare_state(produced: PayloadGroup, checks: np.ndarray) -> tuple[tuple[int, ...], int] | _Problem:
+    """Compare a Mamba state group: one state each side, at position 0.
+
+    The block sizes and token counts do not enter: without prefix caching a
+    state block spans the whole sequence, so the two sides may differ in
+    them for the same state.
+    """
+    if checks.shape[1] != 1:
+        return _Problem(UnverifiedReason.UNSCHEDULED_BLOCKS,
+                        f"the consumer checksummed {checks.shape[1]} state blocks, not 1")
+    if produced.start != 0 or produced.values.shape[0] != 1:
+        return _Problem(UnverifiedReason.NO_COMMON_BLOCKS,
+                        f"the producer sent {produced.values.shape[0]} values from position {produced.start} "
+                        "for a state group, not one state at position 0")
+    differs = bool((checks[:, 0] != produced.values[0]).any())
+    return ((0,) if differs else ()), 1
 
 
 # -- lining up block positions ----------------------------------------------

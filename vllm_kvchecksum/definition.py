@@ -13,6 +13,12 @@ the token at request position t, P pieces per token), so block checksums add
 up over consecutive blocks whatever the block size. docs/definition.md has the
 full text and a worked example.
 
+Attention KV always uses 8-byte pieces. A Mamba (SSM) state is checksummed
+per *row* (a channel or head of the state, in place of a KV head, with its
+global row number in place of the head in m) whose pieces are its elements,
+read as unsigned 2- or 4-byte integers and zero-extended to 64 bits; with
+one token per block, j is the element's index in its row.
+
 Everything here is plain Python ints and numpy, shared by the PyTorch path,
 the Triton kernel's launcher and the row builder, so they agree on one
 definition. The independent test reference (tests/unit/reference.py) does not
@@ -28,11 +34,15 @@ import numpy as np
 # split, so every rank of a producer and a consumer agrees on them.
 MAX_KV_HEADS_PER_LAYER = 2**16
 
-# Bytes of one piece. Attention KV is always checksummed in 8-byte pieces;
-# PIECE_BITS_SUPPORTED lists the piece widths the code paths implement.
+# Bytes of one piece. Attention KV is always checksummed in 8-byte pieces
+# (PIECE_BYTES, PIECE_BITS: the defaults, and what pieces_per_cell counts).
+# PIECE_BITS_SUPPORTED lists the piece widths the code paths implement: 16-
+# and 32-bit pieces are the elements of a Mamba (SSM) state row (bf16/fp16,
+# fp32), read as unsigned integers and zero-extended to 64 bits, so x_j is
+# in [0, 2**16) or [0, 2**32) and the sums below are unchanged.
 PIECE_BYTES = 8
 PIECE_BITS = 8 * PIECE_BYTES
-PIECE_BITS_SUPPORTED = (64,)
+PIECE_BITS_SUPPORTED = (16, 32, 64)
 
 MOD = 2**64
 MASK64 = MOD - 1

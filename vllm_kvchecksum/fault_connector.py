@@ -416,8 +416,9 @@ def checksummed_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
 
     The KVChecksumWorker's own plan (group_plan.plan_groups, with the same
     inputs as runner.create_kv_checksum_worker), so a fault never lands in
-    a group the checksums skip (Mamba state, compressed or host-resident
-    caches, ...): its record would promise a mismatch nobody reports.
+    a group the checksums skip (compressed or host-resident caches, ...):
+    its record would promise a mismatch nobody reports. Mamba state groups
+    are left out too: the drill's faults are per token, a state is not.
     """
     from vllm_kvchecksum.group_plan import TPPosition, plan_groups
     from vllm_kvchecksum.runner import uniform_model_kv_heads
@@ -428,7 +429,7 @@ def checksummed_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         model_kv_heads = None
     plans = plan_groups(kv_cache_config, dict(kv_caches), TPPosition(tp_rank, tp_size, model_kv_heads), "torch")
     return {gid: [c.name for c in plan.caches] for gid, plan in plans.items()
-            if plan.skip_reason is None and plan.caches}
+            if plan.skip_reason is None and plan.caches and not plan.state}
 
 
 # ----------------------------------------------------------------- connector

@@ -45,11 +45,22 @@ class PlannedCache:
 
 @dataclass
 class GroupPlan:
+    """How a worker checksums one KV cache group.
+
+    state: a Mamba state group (one state per block, recorded at position 0;
+      its views take one row of block size 1 per block).
+    tp_local: its slices follow this rank's TP shard (state whose TP split
+      the layers do not describe), so sums are comparable only between equal
+      TP sizes.
+    """
+
     group_id: int
     block_size: int
     caches: list[PlannedCache] = field(default_factory=list)
     fingerprint: int = 0
     skip_reason: str | None = None
+    state: bool = False
+    tp_local: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,8 +104,11 @@ def _layer_spec(group_spec: KVCacheSpec, name: str) -> KVCacheSpec:
 
 
 def _spec_skip_reason(spec: KVCacheSpec) -> str | None:
-    if isinstance(spec, MambaSpec) or not isinstance(spec, AttentionSpec):
-        return f"{type(spec).__name__} has no per-token KV (Mamba/SSM state is not checksummed yet)"
+    if isinstance(spec, MambaSpec):
+        return ("a Mamba layer in a group of mixed specs (its state block would not be recognized by the "
+                "scheduler)")
+    if not isinstance(spec, AttentionSpec):
+        return f"{type(spec).__name__} has no per-token KV"
     if not spec.has_layer_views:
         return f"{type(spec).__name__} caches are not per-layer [B, H, N, C] views"
     if spec.tokens_per_state != 1:
@@ -135,6 +149,8 @@ def plan_group(group_id: int, kv_cache_config: KVCacheConfig, kv_caches: dict[st
 
     if group.host_resident:
         return skip("host-resident (HiSparse) group")
+    if isinstance(group.kv_cache_spec, MambaSpec):
+        return plan_state_group(plan, group.layer_names, kv_cache_config, kv_caches, pos, path)
     entries = []  # (layer, name, module, spec, tensor)
     for name in group.layer_names:
         spec = _layer_spec(group.kv_cache_spec, name)
@@ -200,3 +216,44 @@ def plan_groups(kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tenso
     """Plans of every transfer group, by KV cache group id."""
     return {gid: plan_group(gid, kv_cache_config, kv_caches, pos, path)
             for gid in kv_cache_config.transfer_group_ids}
+
+
+# -- Mamba state groups -------------------------------------------------------
+
+
+def plan_state_group(plan: GroupPlan, layer_names, kv_cache_config: KVCacheConfig,
+                     kv_caches: dict[str, torch.Tensor], pos: TPPosition, path: str = "auto") -> GroupPlan:
+    """Plan a Mamba state group (see mamba_plan.py); fills `plan` in or skips it."""
+    from vllm_kvchecksum.mamba_plan import plan_state_layer
+
+    plan.state = True
+    entries = []
+    for name in layer_names:
+        numbered = layer_number(name)
+        if numbered is None:
+            return _skipped(plan, f"layer name {name!r} does not hold a single layer number")
+        if name not in kv_caches:
+            return _skipped(plan, f"layer {name} has no KV cache tensor on this worker")
+        entries.append((numbered[0], name, numbered[1]))
+    modules = defaultdict(set)
+    for layer, _, module in entries:
+        modules[layer].add(module)
+    for layer, mods in modules.items():
+        if len(mods) > 1:
+            return _skipped(plan, f"layer number {layer} is used by several modules ({', '.join(sorted(mods))})")
+    tp_local = set()
+    for layer, name, _ in sorted(entries):
+        spec = _layer_spec(kv_cache_config.kv_cache_groups[plan.group_id].kv_cache_spec, name)
+        planned = plan_state_layer(name, layer, spec, kv_caches[name], pos, kv_cache_config.num_blocks, path)
+        if isinstance(planned, str):
+            return _skipped(plan, f"layer {name}: {planned}")
+        plan.caches.extend(planned.caches)
+        plan.fingerprint = (plan.fingerprint + planned.fingerprint) & MASK64
+        tp_local.add(planned.tp_local)
+    plan.tp_local = True in tp_local
+    return plan
+
+
+def _skipped(plan: GroupPlan, reason: str) -> GroupPlan:
+    plan.caches, plan.fingerprint, plan.skip_reason, plan.tp_local = [], 0, reason, False
+    return plan

@@ -1,4 +1,4 @@
-"""LayerView: one layer's KV cache seen as 8-byte pieces, ready to checksum.
+"""LayerView: one layer's KV cache seen as pieces, ready to checksum.
 
 The worker builds one LayerView per layer of every checksummed KV cache
 group at startup, and calls accumulate() in the steps where requests finish
@@ -9,6 +9,14 @@ gets exactly the values the worker computes.
 A view never copies the cache: it keeps an int64 view of each cache tensor
 in its own memory order, plus the strides the code paths need to walk it as
 [kernel block, head, token, piece].
+
+Attention KV is read in 8-byte pieces (piece_bits=64). A Mamba (SSM) state
+segment is read with piece_bits=16 or 32: the caller passes a view
+[blocks, rows, 1, elements] (HND, block_size=1) whose elements are 2- or
+4-byte (bf16/fp16, fp32, ...); each element is one piece, read unsigned and
+zero-extended to 64 bits by the code paths, and the element dimension may
+have any stride (a (len, dim) conv state read per channel). The view keeps
+an int16/int32 view of the tensor then, and the pieces' stride.
 """
 
 from __future__ import annotations
@@ -19,8 +27,7 @@ from typing import Sequence
 import torch
 
 from vllm_kvchecksum.definition import (MAX_KV_HEADS_PER_LAYER, PIECE_BITS,
-                                        PIECE_BITS_SUPPORTED, PIECE_BYTES,
-                                        slice_factor_base)
+                                        PIECE_BITS_SUPPORTED, slice_factor_base)
 
 LAYOUTS = ("HND", "NHD")
 PATHS = ("auto", "torch", "triton")
@@ -32,12 +39,15 @@ MAX_LAYER = 2**32
 
 @dataclass(frozen=True)
 class CachePieces:
-    """One cache tensor of a layer (K, V, or a combined cache) as int64 pieces.
+    """One cache tensor of a layer (K, V, or a combined cache) as pieces.
 
     pieces is a view of the tensor, never a copy, shaped like the tensor with
     the cell replaced by its pieces: [kernel_blocks, heads, tokens, P_t] for
     HND, [kernel_blocks, tokens, heads, P_t] for NHD. Within a token of a
-    head, this tensor's pieces come at piece_offset (K before V).
+    head, this tensor's pieces come at piece_offset (K before V). Its dtype
+    is int64 for 64-bit pieces (then consecutive pieces are adjacent, and
+    piece_stride is 1), int16 or int32 for 16- or 32-bit pieces, which are
+    piece_stride elements apart (any stride).
     """
 
     pieces: torch.Tensor
@@ -45,6 +55,7 @@ class CachePieces:
     token_dim: int
     num_pieces: int
     piece_offset: int
+    piece_stride: int = 1
 
     @property
     def block_stride(self) -> int:
@@ -59,14 +70,29 @@ class CachePieces:
         return self.pieces.stride(self.token_dim)
 
 
+_NARROW_PIECES = {16: torch.int16, 32: torch.int32}
+
+
 def _as_pieces(cache: torch.Tensor, name: str, piece_bits: int) -> torch.Tensor:
-    """Reinterpret a 4-D cache's cells as int64 pieces, without a copy."""
+    """Reinterpret a 4-D cache's cells as pieces of piece_bits, without a copy:
+    int64 pieces of whole cells for 64, the elements themselves as int16 or
+    int32 (any strides) for 16 and 32."""
     if cache.dim() != 4:
         raise ValueError(
             f"{name} must be 4-D ([kernel_blocks, heads, tokens, cell] or "
             f"[kernel_blocks, tokens, heads, cell]), got shape "
             f"{tuple(cache.shape)}")
     piece_bytes = piece_bits // 8
+    if piece_bits in _NARROW_PIECES:
+        # One element is one piece, so no piece can straddle anything:
+        # strides and the storage offset may be anything.
+        if cache.element_size() != piece_bytes:
+            raise ValueError(
+                f"{name} is {cache.dtype} ({cache.element_size()}-byte "
+                f"elements), but piece_bits={piece_bits} reads each element "
+                f"as one {piece_bytes}-byte piece; pass a tensor of "
+                f"{piece_bytes}-byte elements")
+        return cache.view(_NARROW_PIECES[piece_bits])
     elem = cache.element_size()
     cell_bytes = cache.shape[-1] * elem
     if cell_bytes % piece_bytes:
@@ -101,8 +127,8 @@ class LayerView:
     caches: the layer's cache tensors, [K, V] or [combined], each 4-D in
       `layout` ("HND": [kernel_blocks, heads, tokens, cell], "NHD":
       [kernel_blocks, tokens, heads, cell]), any dtype and strides. Cells
-      must be whole 8-byte pieces. For each token of a head, the pieces of
-      caches[0]'s cell come before those of caches[1]'s.
+      must be whole 8-byte pieces (with piece_bits=64). For each token of a
+      head, the pieces of caches[0]'s cell come before those of caches[1]'s.
     block_size: tokens per logical block. The cache's token dimension may be
       a kernel block size that divides it: logical block b is kernel blocks
       b*KB .. b*KB+KB-1, KB = block_size / kernel_tokens.
@@ -113,7 +139,15 @@ class LayerView:
       "triton" (forcing it is for tests and benchmarks; on CPU tensors the
       kernel runs only under TRITON_INTERPRET=1). The chosen path is the
       `path` attribute, which may also be reassigned.
-    piece_bits: the piece width; only 64 is implemented.
+    piece_bits: the piece width. 64 (the default, and always for attention
+      KV): cells are split into little-endian 8-byte pieces, so the cell
+      dimension must be contiguous and cells 8-byte aligned. 16 or 32 (Mamba
+      state rows): each element of the cell dimension is one piece, read as
+      an unsigned integer; the tensor's element size must be piece_bits / 8
+      (bf16/fp16/int16 for 16, fp32/int32 for 32), and any strides and
+      storage offset are accepted. A state segment is passed as
+      [blocks, rows, 1, elements] with layout="HND", block_size=1 and
+      first_head = the segment's first global row.
     """
 
     def __init__(self,
@@ -189,8 +223,9 @@ class LayerView:
         offset = 0
         self.caches: list[CachePieces] = []
         for p in pieces:
+            piece_stride = 1 if piece_bits == 64 else p.stride(-1)
             self.caches.append(CachePieces(p, head_dim, token_dim, p.shape[-1],
-                                           offset))
+                                           offset, piece_stride))
             offset += p.shape[-1]
         self.pieces_per_token = offset
         self.factor_base = slice_factor_base(layer, first_head)
@@ -210,7 +245,7 @@ class LayerView:
     def block_bytes(self) -> int:
         """Bytes of KV one logical block holds in this layer (this rank's heads)."""
         return (self.kernel_blocks_per_block * self.num_heads *
-                self.kernel_tokens * self.pieces_per_token * PIECE_BYTES)
+                self.kernel_tokens * self.pieces_per_token * self.piece_bits // 8)
 
     def accumulate(self, out: torch.Tensor, column: int,
                    block_ids: torch.Tensor, first_tokens: torch.Tensor,

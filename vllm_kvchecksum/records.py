@@ -96,7 +96,9 @@ class KVChecksumRecord:
     `skipped_groups` lists the groups this worker cannot checksum, with the
     reason, so a skipped group is not mistaken for a partial sum.
     `received` holds checksum payloads a connector delivered to this worker
-    (connector-owned carriers), by request id.
+    (connector-owned carriers), by request id. `tp_local_groups` are the
+    groups whose checksums depend on the TP size (state whose TP split the
+    layers do not describe): comparable only between equal TP sizes.
     """
 
     tp_rank: int
@@ -108,6 +110,7 @@ class KVChecksumRecord:
     requests: dict[str, dict[int, GroupChecksums]] = field(default_factory=dict)
     num_tokens: dict[str, int] = field(default_factory=dict)
     received: dict[str, bytes] = field(default_factory=dict)
+    tp_local_groups: frozenset[int] = frozenset()
 
     @property
     def worker(self) -> tuple[int, int]:

@@ -24,6 +24,7 @@ request's state after the scheduler has dropped it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -143,9 +144,24 @@ def transfer_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
     from vllm.distributed.kv_transfer.kv_connector.utils import sliding_window_transfer_blocks
 
     windows = sliding_window_transfer_blocks(vllm_config, kv_cache_config)
-    return [GroupLayout(gid, group.kv_cache_spec.block_size, window)
+    return [GroupLayout(gid, group.kv_cache_spec.block_size, window, _state_block_rule(group.kv_cache_spec))
             for gid, group, window in zip(kv_cache_config.transfer_group_ids, kv_cache_config.transfer_groups,
                                           windows, strict=True)]
+
+
+def _state_block_rule(spec):
+    """For a Mamba state group, the rule NIXL picks the transferred state block with; else None.
+
+    clip_ssm_state_blocks keeps the running-state slot: it drops the group's
+    speculative scratch slots (the spec's num_speculative_blocks, as NIXL's
+    scheduler reads it) and everything before the running state.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if not isinstance(spec, MambaSpec):
+        return None
+    return functools.partial(clip_ssm_state_blocks, num_spec_blocks=spec.num_speculative_blocks)
 
 
 @dataclass
@@ -378,7 +394,7 @@ class KVChecksumScheduler:
             if pending is None:
                 continue
             try:
-                scheduled = {g: (b.start, len(b.block_ids), self._block_size(g))
+                scheduled = {g: (b.start, len(b.block_ids), self._layout(g).block_size, self._layout(g).is_state)
                              for g, b in pending.blocks.groups.items()}
                 verdict = compare_load(pending.expected, pending.records, rid, self.num_workers, scheduled,
                                        pending.blocks.num_tokens, missing_reason=pending.missing_reason)
@@ -396,6 +412,7 @@ class KVChecksumScheduler:
             self._count(verdict)
             self._log(verdict)
             self._note_groups_left_out(rid, pending)
+            self._note_tp_left_out(verdict)
             if verdict.status is not CheckStatus.VERIFIED and self.fail_closed:
                 failed[rid] = client_reason(verdict)
         return failed
@@ -429,6 +446,19 @@ class KVChecksumScheduler:
             logger.debug("KV checksums of request %r: KV cache groups %s are not compared: on both sides a "
                          "null block follows a non-null one in their loaded blocks.", req_id, left_out)
 
+    def _note_tp_left_out(self, verdict: LoadVerdict) -> None:
+        """Warn once that state groups are not compared between different TP sizes."""
+        if not verdict.left_out_tp:
+            return
+        self.stats["groups_left_out_tp"] += len(verdict.left_out_tp)
+        if "left_out_tp" not in self._warned:
+            self._warned.add("left_out_tp")
+            logger.warning(
+                "KV checksums: KV cache groups %s are not compared for request %r and other loads between "
+                "different TP sizes: their layers do not describe how TP splits their state "
+                "(MambaBase.get_state_splits), so their checksums differ with the TP size. The other groups "
+                "are compared. Logged once.", list(verdict.left_out_tp), verdict.req_id)
+
     def forget(self, req_id: str) -> None:
         """The request ended (or its load failed): drop what is kept for it."""
         self._sends.pop(req_id, None)
@@ -450,8 +480,8 @@ class KVChecksumScheduler:
             self._step.reqs_to_forget.add(req_id)
         return pending
 
-    def _block_size(self, group_id: int) -> int:
-        return next(layout.block_size for layout in self.layouts if layout.group_id == group_id)
+    def _layout(self, group_id: int) -> GroupLayout:
+        return next(layout for layout in self.layouts if layout.group_id == group_id)
 
     def _log(self, verdict: LoadVerdict) -> None:
         action = "failing the load (kv_checksum_fail_closed)" if self.fail_closed else "using it anyway (fail-open)"

@@ -50,6 +50,7 @@ class KVChecksumWorker:
             kv_cache_config, dict(kv_caches), TPPosition(tp_rank, tp_size, model_kv_heads), path)
         self.fingerprints = {g: p.fingerprint for g, p in self.plans.items() if p.skip_reason is None}
         self.skipped_groups = {g: p.skip_reason for g, p in self.plans.items() if p.skip_reason is not None}
+        self.tp_local_groups = frozenset(g for g, p in self.plans.items() if p.tp_local and p.skip_reason is None)
         # Groups with caches on this worker (a PP stage may hold none of a group).
         self._active = [g for g, p in self.plans.items() if p.caches]
         if device is None:
@@ -122,7 +123,18 @@ class KVChecksumWorker:
 
     def new_record(self) -> KVChecksumRecord:
         return KVChecksumRecord(self.tp_rank, self.tp_size, self.pp_rank, self.pp_size,
-                                dict(self.fingerprints), dict(self.skipped_groups))
+                                dict(self.fingerprints), dict(self.skipped_groups),
+                                tp_local_groups=self.tp_local_groups)
+
+    def _request_rows(self, gid: int, blocks, num_tokens: int) -> RequestBlocks:
+        """The rows of one request's blocks in a group.
+
+        A state block holds one state, not tokens: its views take it as one
+        full row of block size 1 at position 0.
+        """
+        if self.plans[gid].state:
+            return RequestBlocks(blocks.block_ids, 0, len(blocks.block_ids))
+        return RequestBlocks(blocks.block_ids, blocks.start, num_tokens)
 
     def compute(self, reqs: Mapping[str, KVChecksumBlocks], *, replica_zero_only: bool) -> KVChecksumOutput:
         """Queue the checksums of `reqs`' blocks; the values arrive with the output.
@@ -145,9 +157,9 @@ class KVChecksumWorker:
         if not groups:
             return KVChecksumOutput([record])
         rows = build_rows(
-            [[RequestBlocks(gb.block_ids, gb.start, reqs[rid].num_tokens) for rid, gb in members]
-             for _, members, _ in groups],
-            [self.plans[gid].block_size for gid, _, _ in groups],
+            [[self._request_rows(gid, gb, reqs[rid].num_tokens) for rid, gb in members]
+             for gid, members, _ in groups],
+            [1 if self.plans[gid].state else self.plans[gid].block_size for gid, _, _ in groups],
             pin_memory=self.device.type == "cuda")
         keys = sorted({c.key for _, _, caches in groups for c in caches})
         column = {k: i for i, k in enumerate(keys)}

@@ -410,11 +410,13 @@ class LoadResult:
 
 
 def load(consumer: Side, producer: Side, producer_req: Request, params: dict, *,
-         tamper=None, num_local: int = 0) -> LoadResult:
+         tamper=None, num_local: int = 0, prompt: list[int] | None = None) -> LoadResult:
     """The consumer loads a producer request's KV: schedule, transfer, verify, run.
 
     num_local: the consumer's local prefix-cache hit, in tokens (what the
-    transfer does not write). With a connector-owned carrier, the checksums
+    transfer does not write). prompt: the consumer request's prompt, when
+    the producer's was truncated (a hybrid model's producer stops one token
+    short); default the producer request's. With a connector-owned carrier, the checksums
     under params["kv_checksums"] (see prefill) reach every consumer worker
     with the finished load, as its connector reports them."""
     params = dict(params)
@@ -422,7 +424,7 @@ def load(consumer: Side, producer: Side, producer_req: Request, params: dict, *,
     if mode_of(consumer) != "pull":
         carried = params.pop("kv_checksums", None)
         received = None if carried is None else {}
-    req = make_request(producer_req.prompt_token_ids, params=params, block_size=consumer.block_size)
+    req = make_request(prompt or producer_req.prompt_token_ids, params=params, block_size=consumer.block_size)
     if received is not None:
         received[req.request_id] = carried
     consumer.scheduler.add_request(req)

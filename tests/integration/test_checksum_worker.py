@@ -280,7 +280,7 @@ def test_chunked_gathers_give_the_same_values(monkeypatch):
 def skip_cases():
     mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.bfloat16,))
     return {
-        "mamba": (KVCacheGroupSpec(["model.layers.9.mixer"], mamba), "no per-token KV"),
+        "mamba": (KVCacheGroupSpec(["model.layers.9.mixer"], mamba), "not an int8 page view"),
         "compressed": (KVCacheGroupSpec(["model.layers.9.attn"], mla(tokens_per_state=4)), "compressed cache"),
         "head_slots": (KVCacheGroupSpec(["model.layers.9.attn"], attn(heads=2, num_head_slots=1,
                                                                       state_content_bytes=64)), "head slots"),

@@ -4,7 +4,8 @@ Shared by test_triton_kernel.py (run interpreted, TRITON_INTERPRET=1, on
 CPU tensors, in a subprocess: see run_interpreted_kernel_checks.py) and
 test_triton_kernel_cuda.py (compiled, on CUDA). Shapes stay small so the
 interpreter finishes in seconds. Each check raises AssertionError on a
-mismatch.
+mismatch. The Mamba state helpers (state_page, state_view, state_rows,
+state_accumulate, ...) also serve test_state_pieces.py.
 """
 
 from __future__ import annotations
@@ -120,6 +121,135 @@ def check_rows_of_two_groups(device):
             assert out[start:start + count, g].numpy().view(np.uint64).tolist() == want
 
 
+# Mamba (SSM) states: 16/32-bit pieces, one per element, zero-extended.
+# A page is an int8 [blocks, page_bytes] tensor holding several states at
+# byte offsets that are element-aligned but not 8-byte aligned, with padding
+# between them, as a hybrid model's page does. The caller (the worker)
+# slices a state out of the page, views it as its dtype and then as
+# [blocks, rows, 1, elements], HND with block_size=1.
+
+NP_UNSIGNED = {2: "<u2", 4: "<u4"}
+
+
+def state_page(num_blocks, page_bytes, seed):
+    """Random page bytes (about half the elements have their sign bit set)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, (num_blocks, page_bytes), dtype=torch.int8,
+                         generator=gen)
+
+
+def state_view(page, offset, dtype, layout, rows, elements):
+    """A state of rows x elements at byte `offset` of each block's page, as
+    [blocks, rows, 1, elements]. layout "rows": stored (rows, elements),
+    like a dim-first conv state (dim, len) or a temporal state
+    (heads, hd*ds); "elements": stored (elements, rows), like a (len, dim)
+    conv state, so rows have stride 1 and elements stride `rows`;
+    "as_strided": the same storage as "elements", built with as_strided."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    flat = page[:, offset:offset + rows * elements * esize].view(dtype)
+    blocks = page.shape[0]
+    if layout == "rows":
+        return flat.view(blocks, rows, elements).unsqueeze(2)
+    if layout == "elements":
+        return flat.view(blocks, elements, rows).permute(0, 2, 1).unsqueeze(2)
+    assert layout == "as_strided"
+    return flat.as_strided((blocks, rows, 1, elements),
+                           (flat.stride(0), 1, rows * elements, rows),
+                           flat.storage_offset())
+
+
+def state_rows(page, block, offset, dtype, layout, rows, elements, first_row):
+    """The reference's input for one block of a state: (global row, elements
+    as unsigned NumPy ints), decoded from the page's raw bytes by NumPy."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    raw = page[block].cpu().numpy().view(np.uint8)[offset:offset + rows * elements * esize]
+    a = raw.view(NP_UNSIGNED[esize])
+    if layout == "rows":
+        table = a.reshape(rows, elements)
+    else:
+        table = a.reshape(elements, rows).T
+    return [(first_row + r, table[r].copy()) for r in range(rows)]
+
+
+def state_reference(page, segments, block_ids, layer):
+    """reference.state_checksum of each listed block, summed over segments
+    ((offset, dtype, layout, rows, elements, first_row) tuples)."""
+    return [reference.state_checksum(
+        layer, [row for seg in segments for row in state_rows(page, b, *seg)])
+        for b in block_ids]
+
+
+def state_accumulate(page, segments, block_ids, valid, *, layer, path, cols=1,
+                     column=0):
+    """out after accumulating every segment of the page, as a LayerView per
+    segment (block_size=1, piece_bits from the dtype), into `column`."""
+    device = page.device
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
+    valid = torch.tensor(valid, dtype=torch.int64, device=device)
+    first = torch.zeros_like(ids)
+    out = torch.full((len(block_ids), cols), 5, dtype=torch.int64, device=device)
+    for offset, dtype, layout, rows, elements, first_row in segments:
+        view = state_view(page, offset, dtype, layout, rows, elements)
+        bits = 8 * view.element_size()
+        lv = LayerView(view, block_size=1, layer=layer, first_head=first_row,
+                       layout="HND", path=path, piece_bits=bits)
+        assert lv.path == path
+        assert lv.caches[0].pieces.data_ptr() == view.data_ptr()  # no copy
+        lv.accumulate(out, column, ids, first, valid)
+    return out.cpu()
+
+
+def state_segments(dtype):
+    """Three states of one layer in a 5-block page of 1000 bytes: a dim-first
+    conv state, a (len, dim) conv state (strided elements), a temporal state;
+    element-aligned, not 8-byte aligned offsets, padding between them."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    first = 2 if esize == 2 else 4
+    segs, offset, row = [], first, 3
+    for layout, rows, elements in (("rows", 6, 3), ("elements", 10, 3),
+                                   ("rows", 3, 20), ("as_strided", 7, 4)):
+        segs.append((offset, dtype, layout, rows, elements, row))
+        end = offset + rows * elements * esize
+        offset = -(-end // 8) * 8 + 8 + first  # padding, then unaligned again
+        row += rows
+    assert offset <= 1000 and all(s[0] % 8 for s in segs)
+    return segs
+
+
+def check_state_pieces(device):
+    """16- and 32-bit pieces: contiguous and strided element dims, unaligned
+    states in a padded page, block ids in any order, an empty row, and a large
+    layer and first row."""
+    for dtype in (torch.bfloat16, torch.float32):
+        page = state_page(5, 1000, seed=11)
+        segs = state_segments(dtype)
+        ids, valid = [3, 0, 4, 1, 2], [1, 1, 1, 1, 0]
+        for layer in (0, 2**20):
+            kernel = state_accumulate(page.to(device), segs, ids, valid, layer=layer,
+                                      path="triton", cols=2, column=1)
+            torch_out = state_accumulate(page, segs, ids, valid, layer=layer,
+                                         path="torch", cols=2, column=1)
+            assert torch.equal(kernel, torch_out), (dtype, layer)
+            assert (kernel[:, 0] == 5).all()
+            got = (kernel[:, 1] - 5).numpy().view(np.uint64).tolist()
+            want = state_reference(page, segs, ids[:4], layer) + [0]
+            assert got == want, (dtype, layer)
+
+
+def check_large_state_spans_chunks(device):
+    """A Mamba-sized state of 24K pieces per block (more than the kernel's
+    16K-piece chunk), stored (len, dim), so rows are strided."""
+    for dtype in (torch.bfloat16, torch.float32):
+        esize = torch.empty(0, dtype=dtype).element_size()
+        rows, elements = 8192, 3
+        page = state_page(2, rows * elements * esize + 4 * esize, seed=12)
+        segs = [(2 * esize, dtype, "elements", rows, elements, 64)]
+        kernel = state_accumulate(page.to(device), segs, [1, 0], [1, 1], layer=7,
+                                  path="triton")
+        got = (kernel[:, 0] - 5).numpy().view(np.uint64).tolist()
+        assert got == state_reference(page, segs, [1, 0], 7), dtype
+
+
 def check_warm_up_adds_nothing(device):
     view = LayerView([random_cache(2, 1, 4, 8, seed=7).to(device)], block_size=4,
                      layer=0, path="triton")
@@ -128,4 +258,4 @@ def check_warm_up_adds_nothing(device):
 
 CHECKS = [check_layouts_and_splits, check_multi_tile_rows, check_large_rows_span_chunks,
           check_one_column_of_a_wider_matrix, check_rows_of_two_groups,
-          check_warm_up_adds_nothing]
+          check_warm_up_adds_nothing, check_state_pieces, check_large_state_spans_chunks]

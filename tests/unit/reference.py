@@ -82,3 +82,23 @@ def model_checksums(layers, block_ids, num_tokens, **kwargs):
         vals = layer_checksums(caches, block_ids, num_tokens, layer=layer, **kwargs)
         total = [(a + b) % MOD for a, b in zip(total, vals)]
     return total
+
+
+def state_checksum(layer: int, rows) -> int:
+    """One block of a Mamba (SSM) state: sum over its rows of
+    m(layer, global_row) * sum_j zext(x_j) * (2 j + 1) mod 2**64.
+
+    rows: (global_row, elements) pairs, elements a 1-D NumPy array of a 2- or
+    4-byte dtype (any, signed or float; views of bf16 as int16 or uint16 are
+    fine) in the row's element order. Each element's bytes are read as a
+    little-endian unsigned integer, so it is zero-extended whatever its dtype.
+    """
+    total = 0
+    for row, elements in rows:
+        a = np.asarray(elements)
+        assert a.ndim == 1 and a.dtype.itemsize in (2, 4), (a.shape, a.dtype)
+        data = np.ascontiguousarray(a).tobytes()  # native order: little-endian
+        values = np.frombuffer(data, dtype=f"<u{a.dtype.itemsize}").tolist()
+        s = sum(int(v) * (2 * j + 1) for j, v in enumerate(values))
+        total += factor(layer, row) * s
+    return total % MOD

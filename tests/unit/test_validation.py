@@ -28,7 +28,8 @@ def cache(*shape, dtype=torch.bfloat16):
     ([cache(4, 2, 4, 4)] * 3, {}, "1 \\(combined\\) or 2"),
     ([cache(4, 2, 4, 4)], {"layout": "HDN"}, "layout must be"),
     ([cache(4, 2, 4, 4)], {"path": "cuda"}, "path must be"),
-    ([cache(4, 2, 4, 4)], {"piece_bits": 32}, "piece_bits=32 is not implemented"),
+    ([cache(4, 2, 4, 4)], {"piece_bits": 8}, "piece_bits=8 is not implemented"),
+    ([cache(4, 2, 4, 4)], {"piece_bits": 32}, "bfloat16 \\(2-byte elements\\), but piece_bits=32"),
     ([cache(4, 2, 4, 4)], {"layer": -1}, "layer must be"),
 ])
 def test_layer_view_validation(caches, kwargs, match):

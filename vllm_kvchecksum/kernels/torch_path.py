@@ -20,6 +20,11 @@ data. The weight tables depend on the layer, never on the block's position:
 the block start enters only through t0. All arithmetic is int64, whose
 wrap-around is the definition's mod 2**64.
 
+16- and 32-bit pieces (Mamba state rows: a view's elements, int16/int32, at
+any stride) are gathered in their own dtype and zero-extended to int64
+(`& 0xFFFF` / `& 0xFFFFFFFF` after the widening, which sign-extends) before
+the two sums; 64-bit pieces are summed as gathered.
+
 Rows are gathered in chunks, so transient memory stays bounded
 (GATHER_CHUNK_BYTES), and on CPU chunks are kept cache-sized
 (CPU_CHUNK_BYTES) so the two sums read the gathered data from cache. On CPU
@@ -62,6 +67,9 @@ class _CacheSums:
         p_total = view.pieces_per_token
         pk = cache.num_pieces
         self.row_elems = kb * heads * kt * pk
+        # 16/32-bit pieces: the mask that zero-extends them once widened.
+        bits = view.piece_bits
+        self.zext_mask = None if bits == 64 else (1 << bits) - 1
         # The token dim of a gathered chunk [rows, kb, d1, d2, pieces].
         self.token_gdim = cache.token_dim + 1
         # [logical blocks, kb, d1, d2, pieces], still a view of the cache.
@@ -104,6 +112,9 @@ class _CacheSums:
                  valid_tokens: torch.Tensor | None) -> torch.Tensor:
         """This tensor's contribution to each gathered row (int64 [rows])."""
         n = gathered.shape[0]
+        if self.zext_mask is not None:
+            gathered = gathered.to(torch.int64)
+            gathered.bitwise_and_(self.zext_mask)
         if valid_tokens is not None:
             mask = self.tau.unsqueeze(0) < valid_tokens.view(n, 1, 1, 1)
             gathered = gathered * mask.unsqueeze(-1)
@@ -135,7 +146,10 @@ class TorchLayerPath:
     def __init__(self, view: "LayerView"):
         self.view = view
         self.caches = [_CacheSums(c, view) for c in view.caches]
+        # Pieces are summed as int64 (narrower ones once widened), so a
+        # row's transient bytes are 8 per piece whatever the width.
         self.max_row_bytes = max(c.row_elems for c in self.caches) * 8
+        self.buf_dtype = view.caches[0].pieces.dtype
 
     def _rows_per_chunk(self) -> int:
         limit = GATHER_CHUNK_BYTES
@@ -150,7 +164,7 @@ class TorchLayerPath:
         rows = out.shape[0]
         per_chunk = self._rows_per_chunk()
         n_buf = min(rows, per_chunk) * max(c.row_elems for c in self.caches)
-        buf = torch.empty(n_buf, dtype=torch.int64, device=view.device)
+        buf = torch.empty(n_buf, dtype=self.buf_dtype, device=view.device)
         sums = torch.zeros(rows, dtype=torch.int64, device=view.device)
 
         on_host = view.device.type == "cpu"
