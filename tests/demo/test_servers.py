@@ -223,10 +223,27 @@ def test_server_exiting_before_healthy_raises_and_the_other_is_stopped(stand_in)
     assert_all_gone(tree_pids(pids_ok) + tree_pids(pids_bad))
 
 
+def listening(port: int) -> bool:
+    """Whether something answers HTTP on the port (any status)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=SAFETY_S).close()
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
 def test_not_healthy_in_time_names_the_server(stand_in):
     spec, pidfile = stand_in("slow", "never-healthy")
     with ProcessGroup(log=lambda line: None) as group:
         m = group.start(spec)
+        # Up and answering 503 before the short wait starts (under load it
+        # may take longer than the wait to listen at all).
+        wait_for(lambda: listening(spec.port), "the stand-in to listen")
         with pytest.raises(ServerNotReady, match=r"'slow'(.|\n)*HTTP 503") as err:
             group.wait_healthy(m, timeout=0.5)
         assert err.value.names == ["slow"]
