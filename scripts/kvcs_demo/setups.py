@@ -200,6 +200,11 @@ def server_env(device: str, side_channel_port: int, gpus: list[int] | None = Non
         env["PYTHONPATH"] = os.pathsep.join([str(CPU_SITE), str(ROOT)])
         env["KVCS_NIXL_PTHR_DELAY_US"] = "500"
         env["KVCS_SHM_BUSY_LOOP_S"] = "0.001"
+        # Hybrid (Mamba) models: NIXL needs the dim-first conv state layout,
+        # which vLLM's CPU platform picks only when it sees NixlConnector by
+        # name; the drill's consumers wrap it (docs/fault-drills.md). Both
+        # sides get it, so they agree; models without Mamba ignore it.
+        env["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
     else:
         env["VLLM_GPU_SYNC_CHECK"] = "error"
         if gpus is not None:

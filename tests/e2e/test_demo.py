@@ -16,6 +16,11 @@ Parametrized by connector mode, each a full short demo: `[pull]`
 NixlPushConnector, checksums on the WRITE's notification) and `[mooncake]`
 (`--mode mooncake`: MooncakeConnector over TCP, checksums on the transfer's
 response; needs mooncake-transfer-engine-non-cuda, in requirements/cpu.txt).
+Also, `hybrid_demo`: a short pull demo (clean and flip_bit, one setup) on a
+tiny random Granite-4.0-H-style model (Mamba2 with n_groups 1 and
+attention), whose consumer must compare the Mamba state's running-state
+block as well as the attention KV (docs/mamba.md).
+
 One mode: `make test-e2e` with `-k push`, e.g.
 
     .venv/bin/python -m pytest -p no:cacheprovider -q -s -m e2e tests/e2e -k push
@@ -52,12 +57,19 @@ def total(metrics: dict, name: str) -> int:
 def demo(request, tmp_path_factory):
     mode = request.param
     out = tmp_path_factory.mktemp(f"demo-{mode}")
+    proc, report = run_demo(["--requests", "1", "--ttft-requests", "3", *(["--mode", mode] if mode != "pull" else [])],
+                            out, timeout=1800)
+    assert report["mode"] == mode
+    return proc, report, out
+
+
+def run_demo(args: list[str], out: Path, timeout: int):
+    """`python -m kvcs_demo ARGS --out OUT` to its end; (process, report)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "scripts"), HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvcs_demo", "--requests", "1", "--ttft-requests", "3",
-                             "--out", str(out), *(["--mode", mode] if mode != "pull" else [])], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "kvcs_demo", *args, "--out", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        stdout, stderr = proc.communicate(timeout=1800)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except BaseException:
         # SIGTERM, not SIGKILL: the demo then stops every server it started
         # (they run in process groups of their own and would outlive a kill).
@@ -71,9 +83,7 @@ def demo(request, tmp_path_factory):
     print(stderr[-3000:], file=sys.stderr)
     report_path = out / "report.json"
     assert report_path.exists(), f"no report (exit {proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}"
-    report = json.loads(report_path.read_text())
-    assert report["mode"] == mode
-    return proc, report, out
+    return proc, json.loads(report_path.read_text())
 
 
 def test_demo_passes_and_leaves_no_process(demo):
@@ -179,3 +189,37 @@ def test_ttft_on_and_off_measured_in_the_same_run(demo):
     _, report, _ = demo
     t = report["ttft"]
     assert t["on_p50_ms"] > 0 and t["off_p50_ms"] > 0 and t["ratio"] > 0
+
+
+# -- a hybrid (Mamba2 + attention) model ---------------------------------------
+
+HYBRID_MODEL = ROOT / "build" / "tiny-granite-h"
+MAMBA_GROUP = 0  # GraniteMoeHybrid's Mamba layers form KV cache group 0, attention group 1
+
+
+@pytest.fixture(scope="module")
+def hybrid_demo(tmp_path_factory):
+    """A short demo on a tiny random Granite-4.0-H-style model (Mamba2, n_groups 1), TP 1 -> TP 1."""
+    subprocess.run([sys.executable, "scripts/make_tiny_model.py", str(HYBRID_MODEL), "granite-h"], cwd=ROOT,
+                   check=True, timeout=600)
+    out = tmp_path_factory.mktemp("demo-hybrid")
+    proc, report = run_demo(["--model", str(HYBRID_MODEL), "--setups", "model-fail", "--kinds", "flip_bit",
+                             "--ttft-requests", "0", "--no-hostile"], out, timeout=1200)
+    return proc, report, out
+
+
+def test_hybrid_model_mamba_state_is_verified_on_real_servers(hybrid_demo):
+    proc, report, out = hybrid_demo
+    assert report["failures"] == [] and report["ok"] and proc.returncode == 0, report["failures"]
+    consumer = (out / "model-fail.consumer.log").read_text()
+    # Both groups checksummed, and the clean load compared the Mamba state
+    # (one running-state block) as well as the attention KV.
+    assert "groups [0, 1] checksummed" in consumer
+    assert f"group {MAMBA_GROUP} verified (1 blocks compared)" in consumer
+    [setup] = report["setups"]
+    clean, flip = setup["phases"]
+    assert total(clean["metrics"], "loads_verified") == clean["requests"] and clean["outputs_equal"] == 1
+    # The drill's flip hits attention KV; the Mamba group still verifies in that load.
+    [inj] = flip["injections"]
+    assert inj["verdict"] == "mismatch" and inj["reported"] == {str(inj["group"]): sorted(inj["positions"])}
+    assert inj["group"] != MAMBA_GROUP
