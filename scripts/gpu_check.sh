@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one short script: the Triton kernel's CUDA
+# tests (bit-exact with the PyTorch path and the NumPy reference: attention
+# KV in 8-byte pieces, Mamba state rows in 2- and 4-byte pieces, a state
+# spanning two kernel chunks) and the CUDA benchmark (each path next to a
+# device-to-device copy of the same bytes, in the same run).
+#
+# Runs where torch, triton and a CUDA device are, without vLLM: only the
+# vLLM-free package (vllm_kvchecksum's definition, views, kernels) is used.
+#
+#   bash scripts/gpu_check.sh [OUT_DIR]        # default: $OUT, else build/gpu-check
+#
+# With the device tool (docs/performance.md, "GPU"): pytest is installed from
+# wheels carried along when the machine lacks it. Here, once:
+#   .venv/bin/python -m pip download -q pytest -d build/gpu-wheels
+# then run, carrying build/gpu-wheels:
+#   bash scripts/gpu_check.sh            (timeout_s 420: tests ~1 min, benchmark ~2 min)
+# OUT_DIR gets device.txt, tests.log, bench.log and bench.md (the tables, with
+# the GPU name, to paste into docs/performance.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-build/gpu-check}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+"$py" - <<'EOF' 2>&1 | tee "$out/device.txt"
+import torch
+assert torch.cuda.is_available(), "no CUDA device: nothing to check here"
+import triton
+print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"triton {triton.__version__}")
+EOF
+
+if ! "$py" -c "import pytest" 2>/dev/null; then
+    test -d build/gpu-wheels || { echo "pytest is missing and build/gpu-wheels was not carried" >&2; exit 2; }
+    "$py" -m pip install -q --no-index --find-links build/gpu-wheels pytest
+fi
+
+status=0
+# -p no:cacheprovider: the tree may be read-only; the rest of tests/ needs vLLM.
+"$py" -m pytest -p no:cacheprovider -q -rs tests/unit/test_triton_kernel_cuda.py \
+    tests/unit/test_state_pieces.py tests/unit/test_definition.py 2>&1 | tee "$out/tests.log" || status=1
+"$py" scripts/bench_checksum.py --only cuda --markdown "$out/bench.md" 2>&1 | tee "$out/bench.log" || status=1
+exit $status
