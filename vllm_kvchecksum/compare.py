@@ -373,8 +373,8 @@ def sum_producer(records: Sequence[KVChecksumRecord], req_id: str, expected_work
         groups[group_id] = PayloadGroup(fingerprint=_model_fingerprint(by_worker, group_id),
                                         block_size=block_sizes[0], start=start, values=total)
     try:
-        payload = KVChecksumPayload(num_tokens=num_tokens, producer_tp_size=tp_size,
-                                    groups=groups)
+        payload = KVChecksumPayload(num_tokens=num_tokens, producer_tp_size=tp_size, groups=groups,
+                                    tp_local_groups=_tp_local_groups(by_worker) & set(groups))
     except ValueError as exc:
         return ProducerSum(None, f"cannot build the payload: {exc}")
     return ProducerSum(payload)
@@ -417,8 +417,11 @@ def compare_load(expected: KVChecksumPayload | None, records: Sequence[KVChecksu
     if expected.producer_tp_size != consumer_tp_size:
         # Their slices follow each rank's shard, so sums at different TP
         # sizes differ for the same state: leave them out, like a group
-        # neither side checksums (a hybrid model's other groups still verify).
-        left_out_tp = sorted(_tp_local_groups(by_worker) - set(skipped))
+        # neither side checksums (a hybrid model's other groups still
+        # verify), but only when both sides say so; a group only one side
+        # computes TP-locally goes on to its fingerprint (unverified).
+        left_out_tp = sorted((_tp_local_groups(by_worker) & expected.tp_local_groups & set(scheduled))
+                             - set(skipped))
     for group_id in sorted(set(expected.groups) | set(reports) | set(scheduled) | set(skipped)):
         produced = expected.groups.get(group_id)
         if group_id in left_out_tp:

@@ -242,11 +242,19 @@ def plan_state_group(plan: GroupPlan, layer_names, kv_cache_config: KVCacheConfi
         if len(mods) > 1:
             return _skipped(plan, f"layer number {layer} is used by several modules ({', '.join(sorted(mods))})")
     tp_local = set()
-    for layer, name, _ in sorted(entries):
+    # The layers of one module (one layer number) number their rows one
+    # after another, in name order, so no two slices share a factor.
+    next_row = defaultdict(int)
+    for layer, name, module in sorted(entries):
         spec = _layer_spec(kv_cache_config.kv_cache_groups[plan.group_id].kv_cache_spec, name)
-        planned = plan_state_layer(name, layer, spec, kv_caches[name], pos, kv_cache_config.num_blocks, path)
+        try:
+            planned = plan_state_layer(name, layer, spec, kv_caches[name], pos, kv_cache_config.num_blocks, path,
+                                       first_row=next_row[module])
+        except Exception as exc:  # a malformed spec from a layer must not stop the worker
+            planned = f"{type(exc).__name__}: {exc}"
         if isinstance(planned, str):
             return _skipped(plan, f"layer {name}: {planned}")
+        next_row[module] += planned.rows
         plan.caches.extend(planned.caches)
         plan.fingerprint = (plan.fingerprint + planned.fingerprint) & MASK64
         tp_local.add(planned.tp_local)

@@ -43,6 +43,7 @@ class PlannedLayer:
     caches: list  # group_plan.PlannedCache
     fingerprint: int
     tp_local: bool
+    rows: int  # the global rows (slices) it numbers, from its first_row on
 
 
 def _fingerprint(text: str) -> int:
@@ -56,8 +57,12 @@ def covered_state_bytes(spec) -> list[int]:
 
 
 def plan_state_layer(name: str, layer: int, spec, tensor: torch.Tensor, pos, num_blocks: int,
-                     path: str = "auto") -> PlannedLayer | str:
-    """The views, fingerprint and TP dependence of one Mamba layer, or why it is skipped."""
+                     path: str = "auto", first_row: int = 0) -> PlannedLayer | str:
+    """The views, fingerprint and TP dependence of one Mamba layer, or why it is skipped.
+
+    first_row: the layer's first global row (slice) number; several layers
+    of one module (same layer number) number their rows one after another.
+    """
     if not spec.shapes or len(spec.shapes) != len(spec.dtypes):
         return f"its spec lists {len(spec.shapes)} state shapes and {len(spec.dtypes)} dtypes"
     if tensor.dtype != torch.int8 or tensor.dim() != 4 or tuple(tensor.shape[1:3]) != (1, 1):
@@ -72,15 +77,15 @@ def plan_state_layer(name: str, layer: int, spec, tensor: torch.Tensor, pos, num
     from vllm_kvchecksum.group_plan import PlannedCache
 
     if splits is None:
-        return _plan_unsplit(name, layer, spec, tensor, pos, sum(sizes), path, PlannedCache)
-    return _plan_split(name, layer, spec, tensor[:, 0, 0, :], pos, sizes, splits, path, PlannedCache)
+        return _plan_unsplit(name, layer, spec, tensor, pos, sum(sizes), path, PlannedCache, first_row)
+    return _plan_split(name, layer, spec, tensor[:, 0, 0, :], pos, sizes, splits, path, PlannedCache, first_row)
 
 
-def _plan_split(name, layer, spec, pages, pos, sizes, splits, path, planned_cache) -> PlannedLayer | str:
+def _plan_split(name, layer, spec, pages, pos, sizes, splits, path, planned_cache, first_row) -> PlannedLayer | str:
     if len(splits) < len(sizes):
         return f"state_splits describe {len(splits)} states, {len(sizes)} are checksummed"
     num_blocks = pages.shape[0]
-    caches, described, row_base, offset = [], [], 0, 0
+    caches, described, row_base, offset = [], [], first_row, 0
     for i, (size, shape, dtype, split) in enumerate(zip(sizes, spec.shapes, spec.dtypes, splits)):
         elem = dtype.itemsize
         if elem not in STATE_ELEMENT_BYTES:
@@ -115,18 +120,19 @@ def _plan_split(name, layer, spec, pages, pos, sizes, splits, path, planned_cach
         row_base += global_start
         offset += size
     if row_base > MAX_KV_HEADS_PER_LAYER:
-        return f"its states have {row_base} rows, more than MAX_KV_HEADS_PER_LAYER={MAX_KV_HEADS_PER_LAYER}"
+        return (f"its states' rows end at {row_base}, past MAX_KV_HEADS_PER_LAYER={MAX_KV_HEADS_PER_LAYER} "
+                "(with the layers numbered before it in its module)")
     text = "\0".join([name, "MambaState", *described])
-    return PlannedLayer(caches, _fingerprint(text), tp_local=False)
+    return PlannedLayer(caches, _fingerprint(text), tp_local=False, rows=row_base - first_row)
 
 
-def _plan_unsplit(name, layer, spec, tensor, pos, covered, path, planned_cache) -> PlannedLayer | str:
+def _plan_unsplit(name, layer, spec, tensor, pos, covered, path, planned_cache, first_row) -> PlannedLayer | str:
     if covered % PIECE_BYTES:
         return (f"its states' {covered} bytes are not whole {PIECE_BYTES}-byte pieces (and its layer does not "
                 "describe a TP split: MambaBase.get_state_splits)")
     replicated = bool(getattr(spec, "tp_replicated", False))
     replicas = pos.tp_size if replicated else 1
-    first = 0 if replicated else pos.tp_rank
+    first = first_row + (0 if replicated else pos.tp_rank)
     try:
         view = LayerView(tensor[:, :, :, :covered], block_size=1, layer=layer, first_head=first, layout="HND",
                          path=path)
@@ -135,4 +141,4 @@ def _plan_unsplit(name, layer, spec, tensor, pos, covered, path, planned_cache) 
     states = list(zip(spec.shapes, spec.dtypes))[:COVERED_STATES]
     text = "\0".join([name, "MambaLocal", *(f"{list(shape)}:{dtype}" for shape, dtype in states)])
     cache = planned_cache(name, layer, first, replicas, pos.tp_rank % replicas, view)
-    return PlannedLayer([cache], _fingerprint(text), tp_local=not replicated)
+    return PlannedLayer([cache], _fingerprint(text), tp_local=not replicated, rows=1 if replicated else pos.tp_size)

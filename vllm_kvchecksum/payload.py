@@ -9,7 +9,12 @@ size and first block position.
 Wire format, version 1: msgpack of the pair (version, body) with
 
     body = (num_tokens, producer_tp_size,
-            [(group_id, fingerprint, block_size, start, values), ...])
+            [(group_id, fingerprint, block_size, start, values), ...]
+            [, [tp_local_group_id, ...]])
+
+The last field lists the groups whose values depend on the producer's TP
+size (Mamba state whose layers do not describe their TP split); it is
+present only when there are some.
 
 where `values` is a msgpack bin holding the group's checksums as
 little-endian uint64. `to_bytes` / `from_bytes` give these msgpack bytes
@@ -146,11 +151,15 @@ class KVChecksumPayload:
       between equal TP sizes).
     groups: the groups the producer checksummed; a group it skipped or could
       not sum is absent.
+    tp_local_groups: of those, the ones whose values depend on the TP size:
+      a consumer of another TP size leaves a group out only when both sides
+      say so (otherwise its fingerprint decides).
     """
 
     num_tokens: int
     producer_tp_size: int
     groups: dict[int, PayloadGroup]
+    tp_local_groups: frozenset[int] = frozenset()
 
     def __post_init__(self):
         set_field = object.__setattr__
@@ -175,13 +184,18 @@ class KVChecksumPayload:
                     f"only {blocks_with_tokens} blocks of {group.block_size}")
             groups[group_id] = group
         set_field(self, "groups", groups)
+        if not isinstance(self.tp_local_groups, (set, frozenset, list, tuple)):
+            raise ValueError(f"tp_local_groups must be a set, got {type(self.tp_local_groups).__name__}")
+        set_field(self, "tp_local_groups", frozenset(
+            _checked_int("TP-local group id", g, 0, _COUNT_LIMIT) for g in self.tp_local_groups))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, KVChecksumPayload):
             return NotImplemented
         return (self.num_tokens == other.num_tokens
                 and self.producer_tp_size == other.producer_tp_size
-                and self.groups == other.groups)
+                and self.groups == other.groups
+                and self.tp_local_groups == other.tp_local_groups)
 
     __hash__ = None
 
@@ -192,8 +206,10 @@ class KVChecksumPayload:
         groups = [(group_id, group.fingerprint, group.block_size, group.start,
                    group.values.astype("<u8", copy=False).tobytes())
                   for group_id, group in sorted(self.groups.items())]
-        return msgpack.packb((PAYLOAD_VERSION, (self.num_tokens, self.producer_tp_size, groups)),
-                             use_bin_type=True)
+        body = [self.num_tokens, self.producer_tp_size, groups]
+        if self.tp_local_groups:
+            body.append(sorted(self.tp_local_groups))
+        return msgpack.packb((PAYLOAD_VERSION, body), use_bin_type=True)
 
     def encode(self) -> str:
         """The payload as base64 text, for kv_transfer_params["kv_checksums"]."""
@@ -268,6 +284,11 @@ def _payload_from_message(message: Any) -> KVChecksumPayload:
                          f"(this reader knows version {PAYLOAD_VERSION})")
     version, body = _fields("payload", message, ("version", "body"))
     _checked_int("payload version", version, PAYLOAD_VERSION, PAYLOAD_VERSION + 1)
+    tp_local_list = []
+    if isinstance(body, list) and len(body) == len(_BODY_FIELDS) + 1:
+        *body, tp_local_list = body  # the optional last field
+        if not isinstance(tp_local_list, list):
+            raise ValueError(f"tp_local_groups must be an array, got {type(tp_local_list).__name__}")
     num_tokens, producer_tp_size, group_list = _fields("payload body", body, _BODY_FIELDS)
     num_tokens = _checked_int("num_tokens", num_tokens, 0, MAX_TOKENS)
     producer_tp_size = _checked_int("producer_tp_size", producer_tp_size, 1, _COUNT_LIMIT)
@@ -294,4 +315,6 @@ def _payload_from_message(message: Any) -> KVChecksumPayload:
             start=_checked_int(f"start of group {group_id}", start, 0, MAX_TOKENS),
             values=np.frombuffer(values, dtype="<u8").astype(np.uint64))
     return KVChecksumPayload(num_tokens=num_tokens, producer_tp_size=producer_tp_size,
-                             groups=groups)
+                             groups=groups, tp_local_groups=frozenset(
+                                 _checked_int(f"TP-local group {i}", g, 0, _COUNT_LIMIT)
+                                 for i, g in enumerate(tp_local_list)))

@@ -101,3 +101,16 @@ def test_flipped_bit_in_last_consumer_ranks_b_is_a_mismatch(tps, n_groups, logs,
     assert stats(C) == {"mismatch": 1}, logs.text
     assert f"group {MAMBA_GROUP} differs at block positions 0" in logs.text
     assert "group 0 verified" in logs.text
+
+
+@pytest.mark.parametrize("split_side", ["producer", "consumer"])
+def test_state_tp_local_on_one_side_only_is_not_left_out(split_side, logs, make):
+    # Version skew: one side's layers describe their split, the other's do
+    # not. Between different TP sizes the group must not be left out (that
+    # would verify the load on attention alone): it is unverified.
+    P = make("kv_producer", 1, model=Mamba2Layer(split=split_side == "producer"), fail_closed=True, junk=1)
+    C = make("kv_consumer", 2, model=Mamba2Layer(split=split_side == "consumer"), fail_closed=True, junk=2)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params, prompt=prompt_of(PROMPT))
+    assert stats(C) == {"unverified": 1}, logs.text
+    assert "fingerprint_differs" in logs.text

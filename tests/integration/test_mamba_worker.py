@@ -171,6 +171,7 @@ def test_unsplit_state_is_one_slice_per_rank_and_tp_local():
     ("not-whole-pieces", "not whole 8-byte pieces"),
     ("splits-disagree", "do not match state shape"),
     ("too-few-splits", "state_splits describe 1 states, 2 are checksummed"),
+    ("malformed-segments", "ValueError"),
 ])
 def test_state_that_cannot_be_read_skips_the_group(case, reason):
     model = Mamba2Layer()
@@ -182,8 +183,38 @@ def test_state_that_cannot_be_read_skips_the_group(case, reason):
     elif case == "splits-disagree":
         split = spec.state_splits[0]
         spec = replace(spec, state_splits=(replace(split, segments=((16, 1), (4, 1), (3, 1))), spec.state_splits[1]))
-    else:
+    elif case == "too-few-splits":
         spec = replace(spec, state_splits=spec.state_splits[:1])
+    else:  # a layer's bug: segments that are not (size, replicas) pairs
+        spec = replace(spec, state_splits=(replace(spec.state_splits[0], segments=((16,),)), spec.state_splits[1]))
     r = Rank(model, 1, 0, spec=spec, write=False)
     assert MAMBA_GID in r.worker.skipped_groups and reason in r.worker.skipped_groups[MAMBA_GID], \
         r.worker.skipped_groups
+
+
+def test_state_layers_of_one_module_number_their_rows_one_after_another():
+    # Two Mamba layers with the same layer number (one module): swapping
+    # their states must change the block's value.
+    model = Mamba2Layer()
+    spec = model.spec(1, 16, PAGE)
+    names = ["model.layers.3.mixer_a", "model.layers.3.mixer_b"]
+    config, caches = build_caches([KVCacheGroupSpec(names, spec)], NUM_BLOCKS)
+    for i, name in enumerate(names):
+        data = model.local_page(i, TOKENS, 1, 0)
+        caches[name][BLOCK, 0, 0].view(torch.uint8)[:len(data)].copy_(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    worker = KVChecksumWorker(config, caches, tp_rank=0, tp_size=1, model_kv_heads=None)
+    assert not worker.skipped_groups, worker.skipped_groups
+    firsts = sorted(c.first_head for c in worker.plans[0].caches)
+    assert len(set(firsts)) == len(firsts) == 8  # 4 segments per layer, none shared
+
+    def value():
+        blocks = KVChecksumBlocks(TOKENS, {0: GroupBlocks(0, (BLOCK,))})
+        return int(worker.compute({"r": blocks}, replica_zero_only=True).records[0].requests["r"][0].partials[(1, 0)][0])
+
+    before = value()
+    a, b = (caches[n][BLOCK, 0, 0].view(torch.uint8) for n in names)
+    saved = a.clone()
+    a.copy_(b)
+    b.copy_(saved)
+    assert value() != before

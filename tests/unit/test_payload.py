@@ -83,6 +83,21 @@ def test_hand_written_payload_decodes():
     assert group.values.tolist() == [5, 5]
 
 
+def test_tp_local_groups_ride_an_optional_last_field():
+    import dataclasses
+
+    payload = dataclasses.replace(sample_payload(), tp_local_groups={3})
+    assert KVChecksumPayload.from_bytes(payload.to_bytes()) == payload
+    assert KVChecksumPayload.decode(payload.encode()).tp_local_groups == {3}
+    assert msgpack.unpackb(payload.to_bytes())[1][3] == [3]
+    assert payload != sample_payload()
+    # Absent when there are none (the 3-field body above).
+    assert len(msgpack.unpackb(sample_payload().to_bytes())[1]) == 3
+    for bad in ([-1], ["x"], 5):
+        with pytest.raises(ValueError, match="TP-local|tp_local"):
+            KVChecksumPayload.from_bytes(packed([1, [33, 1, [], bad]]))
+
+
 def test_empty_payload_round_trips():
     empty = KVChecksumPayload(num_tokens=0, producer_tp_size=1, groups={})
     assert KVChecksumPayload.decode(empty.encode()) == empty
