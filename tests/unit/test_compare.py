@@ -11,7 +11,6 @@ its sum under the key (R, i). Producer ranks compute copy 0 only.
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -600,12 +599,10 @@ def test_long_prompt_compares_quickly():
         g: PayloadGroup(7, 2 * block_size, 0, copy_values[g].reshape(-1, 2).sum(
             axis=1, dtype=np.uint64)) for g in groups})
     scheduled = {g: (0, blocks, block_size) for g in groups}
-    began = time.perf_counter()
+    # Its speed is measured by scripts/bench_scheduler.py, not asserted here.
     verdict = compare_load(payload, records, REQ, 4, scheduled, num_tokens)
-    elapsed = time.perf_counter() - began
     assert_verified(verdict, groups=groups)
     assert verdict.groups[0].compared_blocks == blocks
-    assert elapsed < 0.5
 
 
 # -- hostile payloads -----------------------------------------------------------

@@ -8,7 +8,6 @@ bounded time and memory. Valid payloads must round-trip exactly.
 import ast
 import base64
 import os
-import time
 
 import msgpack
 import numpy as np
@@ -235,19 +234,18 @@ def test_bad_base64_raises_value_error(text):
     packed([1, [32, 1, [[0, 5, 16, 0, msgpack.ExtType(1, b"12345678")]]]]),
 ])
 def test_malformed_msgpack_fails_fast_with_value_error(data):
-    began = time.perf_counter()
+    # Speed is not asserted here (no timing thresholds in tests): the
+    # decoder's limits refuse these before allocating what they declare.
     for read, item in ((KVChecksumPayload.from_bytes, data), (KVChecksumPayload.decode, b64(data))):
         with pytest.raises(ValueError, match="invalid KV checksum payload"):
             read(item)
-    assert time.perf_counter() - began < 1.0
 
 
 def test_text_over_the_limit_is_refused_before_decoding():
     text = "A" * (MAX_PAYLOAD_BYTES + 4)
-    began = time.perf_counter()
+    # The length check's own message: refused before base64 or msgpack run.
     with pytest.raises(ValueError, match="exceeds the limit"):
         KVChecksumPayload.decode(text)
-    assert time.perf_counter() - began < 0.5
 
 
 def test_limit_is_read_at_call_time(monkeypatch):
