@@ -9,7 +9,6 @@ way, so the workers' partial sums add up to the model's checksum.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from vllm.v1.kv_cache_interface import (AttentionSpec, KVCacheConfig, KVCacheSpe
 
 from vllm_kvchecksum.definition import MAX_KV_HEADS_PER_LAYER
 from vllm_kvchecksum.layer_view import LayerView
+from vllm_kvchecksum.mamba_plan import fingerprint64, plan_state_layer
 
 MASK64 = (1 << 64) - 1
 # MLA-type caches without max_tp_shards are held whole by every rank (NIXL
@@ -93,8 +93,7 @@ def layer_fingerprint(name: str, spec: KVCacheSpec) -> int:
     The block size is left out: producers and consumers may differ in it.
     """
     dtype = str(getattr(spec, "dtype", None))
-    text = f"{name}\0{type(spec).__name__}\0{dtype}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+    return fingerprint64(f"{name}\0{type(spec).__name__}\0{dtype}")
 
 
 def _layer_spec(group_spec: KVCacheSpec, name: str) -> KVCacheSpec:
@@ -144,8 +143,7 @@ def plan_group(group_id: int, kv_cache_config: KVCacheConfig, kv_caches: dict[st
     plan = GroupPlan(group_id, block_size)
 
     def skip(reason: str) -> GroupPlan:
-        plan.caches, plan.fingerprint, plan.skip_reason = [], 0, reason
-        return plan
+        return _skipped(plan, reason)
 
     if group.host_resident:
         return skip("host-resident (HiSparse) group")
@@ -173,13 +171,9 @@ def plan_group(group_id: int, kv_cache_config: KVCacheConfig, kv_caches: dict[st
             seen.add(ident)
             unique.append(entry)
 
-    modules_by_layer = defaultdict(set)
-    for layer, _, module, _, _ in unique:
-        modules_by_layer[layer].add(module)
-    for layer, modules in modules_by_layer.items():
-        if len(modules) > 1:
-            return skip(f"layer number {layer} is used by several modules ({', '.join(sorted(modules))}); "
-                        "their slices could not be numbered the same way on every PP layout")
+    clash = _module_clash((layer, module) for layer, _, module, _, _ in unique)
+    if clash:
+        return skip(clash)
 
     # The caches of one layer module number their heads consecutively, in
     # layer name order: each takes the global heads after the previous one's.
@@ -224,8 +218,6 @@ def plan_groups(kv_cache_config: KVCacheConfig, kv_caches: dict[str, torch.Tenso
 def plan_state_group(plan: GroupPlan, layer_names, kv_cache_config: KVCacheConfig,
                      kv_caches: dict[str, torch.Tensor], pos: TPPosition, path: str = "auto") -> GroupPlan:
     """Plan a Mamba state group (see mamba_plan.py); fills `plan` in or skips it."""
-    from vllm_kvchecksum.mamba_plan import plan_state_layer
-
     plan.state = True
     entries = []
     for name in layer_names:
@@ -235,12 +227,9 @@ def plan_state_group(plan: GroupPlan, layer_names, kv_cache_config: KVCacheConfi
         if name not in kv_caches:
             return _skipped(plan, f"layer {name} has no KV cache tensor on this worker")
         entries.append((numbered[0], name, numbered[1]))
-    modules = defaultdict(set)
-    for layer, _, module in entries:
-        modules[layer].add(module)
-    for layer, mods in modules.items():
-        if len(mods) > 1:
-            return _skipped(plan, f"layer number {layer} is used by several modules ({', '.join(sorted(mods))})")
+    clash = _module_clash((layer, module) for layer, _, module in entries)
+    if clash:
+        return _skipped(plan, clash)
     tp_local = set()
     # The layers of one module (one layer number) number their rows one
     # after another, in name order, so no two slices share a factor.
@@ -260,6 +249,18 @@ def plan_state_group(plan: GroupPlan, layer_names, kv_cache_config: KVCacheConfi
         tp_local.add(planned.tp_local)
     plan.tp_local = True in tp_local
     return plan
+
+
+def _module_clash(layer_modules) -> str | None:
+    """Why (layer number, module) pairs cannot be numbered: a number used by several modules."""
+    modules_by_layer = defaultdict(set)
+    for layer, module in layer_modules:
+        modules_by_layer[layer].add(module)
+    for layer, modules in modules_by_layer.items():
+        if len(modules) > 1:
+            return (f"layer number {layer} is used by several modules ({', '.join(sorted(modules))}); "
+                    "their slices could not be numbered the same way on every PP layout")
+    return None
 
 
 def _skipped(plan: GroupPlan, reason: str) -> GroupPlan:

@@ -46,7 +46,8 @@ class PlannedLayer:
     rows: int  # the global rows (slices) it numbers, from its first_row on
 
 
-def _fingerprint(text: str) -> int:
+def fingerprint64(text: str) -> int:
+    """The 64-bit hash layer fingerprints are made of (group_plan uses it too)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
@@ -123,7 +124,7 @@ def _plan_split(name, layer, spec, pages, pos, sizes, splits, path, planned_cach
         return (f"its states' rows end at {row_base}, past MAX_KV_HEADS_PER_LAYER={MAX_KV_HEADS_PER_LAYER} "
                 "(with the layers numbered before it in its module)")
     text = "\0".join([name, "MambaState", *described])
-    return PlannedLayer(caches, _fingerprint(text), tp_local=False, rows=row_base - first_row)
+    return PlannedLayer(caches, fingerprint64(text), tp_local=False, rows=row_base - first_row)
 
 
 def _plan_unsplit(name, layer, spec, tensor, pos, covered, path, planned_cache, first_row) -> PlannedLayer | str:
@@ -141,4 +142,4 @@ def _plan_unsplit(name, layer, spec, tensor, pos, covered, path, planned_cache, 
     states = list(zip(spec.shapes, spec.dtypes))[:COVERED_STATES]
     text = "\0".join([name, "MambaLocal", *(f"{list(shape)}:{dtype}" for shape, dtype in states)])
     cache = planned_cache(name, layer, first, replicas, pos.tp_rank % replicas, view)
-    return PlannedLayer([cache], _fingerprint(text), tp_local=not replicated, rows=1 if replicated else pos.tp_size)
+    return PlannedLayer([cache], fingerprint64(text), tp_local=not replicated, rows=1 if replicated else pos.tp_size)
