@@ -70,6 +70,9 @@ class UnverifiedReason(str, enum.Enum):
     BLOCK_SIZES_NOT_MULTIPLES = "block_sizes_not_multiples"
     UNALIGNED_FIRST_BLOCK = "unaligned_first_block"
     NO_COMMON_BLOCKS = "no_common_blocks"
+    # One group of an offloaded load (offload.py).
+    NOT_STORED = "not_stored"  # some workers store no checksums of the group
+    NO_BLOCK_HASHES = "no_block_hashes"  # the request lacks hashes of loaded blocks
 
 
 class ConsumerGroupBlocks(NamedTuple):
@@ -116,6 +119,8 @@ class LoadVerdict:
       (then `groups` is empty).
     left_out_tp: groups left out because their checksums depend on the TP
       size (state without a known TP split) and the sizes differ.
+    source: where the reference came from: "producer" (P/D) or "offloaded"
+      (the checksums stored with offloaded KV).
     """
 
     req_id: str
@@ -124,6 +129,7 @@ class LoadVerdict:
     reason_key: UnverifiedReason | None = None
     reason: str = ""
     left_out_tp: tuple[int, ...] = ()
+    source: str = "producer"
 
     @property
     def reason_keys(self) -> tuple[UnverifiedReason, ...]:
@@ -144,6 +150,9 @@ class LoadVerdict:
             CheckStatus.MISMATCH: f"KV checksum mismatch for request {self.req_id!r}",
             CheckStatus.UNVERIFIED: f"KV checksums of request {self.req_id!r} unverified",
         }[self.status]
+        if self.source != "producer":
+            # An operator must tell a store's bad value from a P/D transfer's.
+            headline += f" ({self.source} KV loaded back)"
         if self.reason_key is not None:
             return f"{headline}: {self.reason}"
         ordered = sorted(self.groups.values(),

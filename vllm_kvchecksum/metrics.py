@@ -17,6 +17,13 @@ KVChecksumProm.observe, which adds them to these counters on /metrics:
   vllm:kv_checksum_mismatched_blocks_total        block positions that differed
   vllm:kv_checksum_sent_total                     producer payloads sent
   vllm:kv_checksum_not_sent_total{reason}         producer payloads not sent
+  vllm:kv_checksum_offloaded_loads_verified_total, ..._mismatched_total,
+  ..._unverified_total{reason}, vllm:kv_checksum_offloaded_mismatched_blocks_total
+      the same verdicts for KV loaded back from offloading (checked against
+      the checksums stored with it, offload.py), kept apart from P/D loads
+  vllm:kv_checksum_offloaded_loads_not_checked_total{reason}
+      loads from offloading not checked: synchronous loads ("sync_load"),
+      or a tier the connector stores no checksums for ("tier_not_covered")
 
 A mismatch is only ever counted as mismatched: a cache miss is no load at all
 (vLLM's external prefix cache counters), and a connector failure is
@@ -41,12 +48,16 @@ NOT_COMPARED = "loads_not_compared"
 MISMATCHED_BLOCKS = "mismatched_blocks"
 SENT = "sent"
 NOT_SENT = "not_sent"
+# Loads of offloaded KV: the verdict keys above with this prefix.
+OFFLOADED = "offloaded_"
+OFFLOADED_NOT_CHECKED = "offloaded_loads_not_checked"
 
 # Label values of the labelled counters (the unverified reasons are
 # UnverifiedReason's values). Bounded: a label never takes a value from
 # outside the process.
 NOT_COMPARED_REASONS = ("load_failed", "request_ended")
 NOT_SENT_REASONS = ("sum_failed", "not_carried")
+OFFLOADED_NOT_CHECKED_REASONS = ("sync_load", "tier_not_covered")
 
 # name -> (documentation, label name or None, known label values).
 COUNTERS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
@@ -59,6 +70,14 @@ COUNTERS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     MISMATCHED_BLOCKS: ("Block positions whose KV checksums differed, over all mismatched loads.", None, ()),
     SENT: ("Producer requests whose KV checksums were sent with their KV.", None, ()),
     NOT_SENT: ("Producer requests whose KV checksums were not sent, by reason.", "reason", NOT_SENT_REASONS),
+    OFFLOADED + VERIFIED: ("Loads of offloaded KV whose stored KV checksums matched.", None, ()),
+    OFFLOADED + MISMATCHED: ("Loads of offloaded KV whose stored KV checksums differed (corrupt, misplaced or "
+                             "another prefix's KV in the store).", None, ()),
+    OFFLOADED + UNVERIFIED: ("Loads of offloaded KV that could not be compared, by reason.", "reason",
+                             tuple(r.value for r in UnverifiedReason)),
+    OFFLOADED + MISMATCHED_BLOCKS: ("Block positions of offloaded KV whose KV checksums differed.", None, ()),
+    OFFLOADED_NOT_CHECKED: ("Loads of offloaded KV not checked, by reason.", "reason",
+                            OFFLOADED_NOT_CHECKED_REASONS),
 }
 
 METRIC_PREFIX = "vllm:kv_checksum_"

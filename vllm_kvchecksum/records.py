@@ -45,6 +45,9 @@ class KVChecksumBlocks:
 
     num_tokens: int
     groups: dict[int, GroupBlocks]
+    # A load of offloaded KV: checked against the entries stored with its
+    # blocks (offload.py), not against a producer's checksums.
+    offloaded: bool = False
 
 
 @dataclass
@@ -99,6 +102,10 @@ class KVChecksumRecord:
     (connector-owned carriers), by request id. `tp_local_groups` are the
     groups whose checksums depend on the TP size (state whose TP split the
     layers do not describe): comparable only between equal TP sizes.
+    `stored` holds, for loads of offloaded KV, the entries the connector
+    wrote back with each loaded block (per request, per group, one uint64
+    per block position, tags included); `offload_groups` are the groups the
+    worker keeps such entries for (fixed at startup).
     """
 
     tp_rank: int
@@ -111,6 +118,8 @@ class KVChecksumRecord:
     num_tokens: dict[str, int] = field(default_factory=dict)
     received: dict[str, bytes] = field(default_factory=dict)
     tp_local_groups: frozenset[int] = frozenset()
+    stored: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
+    offload_groups: frozenset[int] = frozenset()
 
     @property
     def worker(self) -> tuple[int, int]:

@@ -30,10 +30,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvchecksum.blocks import GroupLayout, request_blocks
+from vllm_kvchecksum.blocks import GroupLayout, group_blocks, request_blocks
 from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY, KVChecksumCarrier
 from vllm_kvchecksum import metrics
 from vllm_kvchecksum.compare import CheckStatus, LoadVerdict, UnverifiedReason, compare_load, sum_producer
+from vllm_kvchecksum.offload import OFFLOADED_SOURCE, compare_offloaded
 from vllm_kvchecksum.payload import KVChecksumPayload
 from vllm_kvchecksum.records import KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord, KVChecksumScheduled
 
@@ -70,7 +71,9 @@ def client_reason(verdict: LoadVerdict) -> str:
     """What a client is told when its request fails a KV checksum check."""
     if verdict.status is CheckStatus.MISMATCH:
         groups = ", ".join(f"group {g} blocks {_client_positions(b)}" for g, b in verdict.mismatched_blocks.items())
-        return f"{KV_CHECKSUM_ERROR_PREFIX}mismatch: the KV loaded from the producer is corrupt ({groups})"
+        source = ("loaded back from the offloaded KV cache" if verdict.source == OFFLOADED_SOURCE
+                  else "loaded from the producer")
+        return f"{KV_CHECKSUM_ERROR_PREFIX}mismatch: the KV {source} is corrupt ({groups})"
     return f"{KV_CHECKSUM_ERROR_PREFIX}unverified: {', '.join(k.value for k in verdict.reason_keys)}"
 
 
@@ -175,13 +178,17 @@ class _Pending:
     missing_reason: str = ""
     # Consumer, connector-owned carrier: no copy of the checksums received yet.
     awaiting_connector: bool = False
+    # A load of offloaded KV (blocks.offloaded): the request, and the hashes
+    # of its loaded blocks per group (the tags are derived from them).
+    request: Any = None
+    block_hashes: dict[int, list] = field(default_factory=dict)
 
 
 class KVChecksumScheduler:
     """What to checksum, the sums, and the verdicts, on one scheduler."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, connector,
-                 null_block_id: int = 0):
+                 null_block_id: int = 0, hash_block_size: int | None = None):
         kv = vllm_config.kv_transfer_config
         pc = vllm_config.parallel_config
         self.fail_closed = bool(kv.kv_checksum_fail_closed)
@@ -190,6 +197,11 @@ class KVChecksumScheduler:
         self.num_workers = pc.tensor_parallel_size * pc.pipeline_parallel_size
         self.null_block_id = null_block_id
         self.layouts = transfer_layouts(vllm_config, kv_cache_config)
+        # Loads of offloaded KV are checked per block against entries tagged
+        # with the request's block hashes: only groups whose blocks each have
+        # one hash (and not Mamba state, which is not stored per block).
+        self.offload_layouts = [layout for layout in self.layouts
+                                if not layout.is_state and layout.block_size == hash_block_size]
         self._step = KVChecksumScheduled()
         self._sends: dict[str, _Pending] = {}
         self._recvs: dict[str, _Pending] = {}
@@ -202,7 +214,7 @@ class KVChecksumScheduler:
 
     @classmethod
     def create(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, connector,
-               null_block_id: int = 0) -> KVChecksumScheduler | None:
+               null_block_id: int = 0, hash_block_size: int | None = None) -> KVChecksumScheduler | None:
         """The checksum scheduler, or None when checksums are off or cannot run.
 
         Raises KVChecksumConfigError when kv_checksum_fail_closed is set but
@@ -222,7 +234,7 @@ class KVChecksumScheduler:
             logger.warning("KV checksums are disabled: %s cannot carry them (kv_transfer_config."
                            "enable_kv_checksum is ignored).", name)
             return None
-        self = cls(vllm_config, kv_cache_config, connector, null_block_id)
+        self = cls(vllm_config, kv_cache_config, connector, null_block_id, hash_block_size)
         if self.fail_closed:
             mode = f"fail-closed: a load that fails its check is a KV load failure (kv_load_failure_policy=" \
                    f"{kv.kv_load_failure_policy!r})"
@@ -253,9 +265,15 @@ class KVChecksumScheduler:
         self._sends[request.request_id] = _Pending(blocks)
 
     def add_recv(self, request: Request, block_ids, num_local_tokens: int, num_tokens: int) -> None:
-        """A consumer request's async load of tokens [num_local_tokens, num_tokens) starts."""
+        """A consumer request's async load of tokens [num_local_tokens, num_tokens) starts.
+
+        A P/D load is checked against its producer's checksums; any other
+        load from a tier whose loads bring stored checksums back
+        (get_kv_checksum_sources) against those (add_offloaded_load).
+        """
         carrier = self.connector.kv_checksum_carrier(request, True)
         if carrier is None:
+            self.add_offloaded_load(request, block_ids, num_local_tokens, num_tokens)
             return
         blocks = KVChecksumBlocks(num_tokens, request_blocks(block_ids, self.layouts, num_local_tokens,
                                                              num_tokens, self.null_block_id))
@@ -274,6 +292,51 @@ class KVChecksumScheduler:
         self._recvs[request.request_id] = pending
         # Sent once, in this step: each worker keeps the blocks until its own
         # connector reports the load finished or the scheduler forgets it.
+        self._step.reqs_to_recv[request.request_id] = blocks
+
+    def _offload_tiers(self, request: Request, num_tokens: int) -> tuple[set, set]:
+        """(the tiers this load comes from, the tiers whose loads bring checksums back)."""
+        sources = set(self.connector.get_kv_checksum_sources(request) or ())
+        if not sources:
+            return set(), sources
+        return set(self.connector.get_external_cache_hit_sources(request, num_tokens) or ()), sources
+
+    def add_offloaded_load(self, request: Request, block_ids, num_local_tokens: int, num_tokens: int) -> None:
+        """An async load of offloaded KV (not P/D) of tokens [num_local_tokens, num_tokens) starts.
+
+        Checked when its connector serves it from tiers that bring the
+        checksums stored with the KV back (get_kv_checksum_sources): every
+        full block loaded, in the groups whose blocks have one hash each.
+        """
+        if not self.offload_layouts:
+            return
+        try:
+            tiers, sources = self._offload_tiers(request, num_tokens - num_local_tokens)
+        except Exception:
+            logger.exception("KV checksums: asking the connector where request %s's load comes from raised; the "
+                             "load is not checked.", request.request_id)
+            return
+        if not sources:
+            return
+        if not tiers or not tiers <= sources:
+            self._metrics[metrics.labelled(metrics.OFFLOADED_NOT_CHECKED, "tier_not_covered")] += 1
+            logger.debug("KV checksums: the load of request %s comes from %s; checksums come back only from %s, so "
+                         "it is not checked.", request.request_id, sorted(t.value for t in tiers),
+                         sorted(t.value for t in sources))
+            return
+        groups, hashes = {}, {}
+        for layout in self.offload_layouts:
+            full_end = num_tokens // layout.block_size * layout.block_size
+            blocks = group_blocks(block_ids[layout.group_id], layout, num_local_tokens, full_end,
+                                  self.null_block_id)
+            if blocks is None or not blocks.block_ids:
+                continue
+            groups[layout.group_id] = blocks
+            hashes[layout.group_id] = list(request.block_hashes[blocks.start:blocks.start + len(blocks.block_ids)])
+        if not groups:
+            return
+        blocks = KVChecksumBlocks(num_tokens, groups, offloaded=True)
+        self._recvs[request.request_id] = _Pending(blocks, request=request, block_hashes=hashes)
         self._step.reqs_to_recv[request.request_id] = blocks
 
     @staticmethod
@@ -394,10 +457,16 @@ class KVChecksumScheduler:
             if pending is None:
                 continue
             try:
-                scheduled = {g: (b.start, len(b.block_ids), self._layout(g).block_size, self._layout(g).is_state)
-                             for g, b in pending.blocks.groups.items()}
-                verdict = compare_load(pending.expected, pending.records, rid, self.num_workers, scheduled,
-                                       pending.blocks.num_tokens, missing_reason=pending.missing_reason)
+                if pending.blocks.offloaded:
+                    verdict = compare_offloaded(
+                        pending.records, rid, self.num_workers,
+                        {g: (b.start, len(b.block_ids)) for g, b in pending.blocks.groups.items()},
+                        pending.blocks.num_tokens, pending.block_hashes)
+                else:
+                    scheduled = {g: (b.start, len(b.block_ids), self._layout(g).block_size,
+                                     self._layout(g).is_state) for g, b in pending.blocks.groups.items()}
+                    verdict = compare_load(pending.expected, pending.records, rid, self.num_workers, scheduled,
+                                           pending.blocks.num_tokens, missing_reason=pending.missing_reason)
             except Exception as exc:
                 # The payload comes from the client: whatever comparing one load
                 # raises must not escape update_from_output and stop the engine
@@ -407,27 +476,48 @@ class KVChecksumScheduler:
                                  rid, type(exc).__name__, exc)
                 verdict = LoadVerdict(req_id=rid, status=CheckStatus.UNVERIFIED,
                                       reason_key=UnverifiedReason.COMPARISON_ERROR,
-                                      reason=f"comparing raised {type(exc).__name__}: {exc}")
+                                      reason=f"comparing raised {type(exc).__name__}: {exc}",
+                                      source=OFFLOADED_SOURCE if pending.blocks.offloaded else "producer")
             self.stats[verdict.status.value] += 1
+            if pending.blocks.offloaded:
+                self.stats[f"offloaded_{verdict.status.value}"] += 1
             self._count(verdict)
             self._log(verdict)
+            if pending.blocks.offloaded and verdict.status is CheckStatus.MISMATCH:
+                self._offloaded_failed(pending.request, verdict)
             self._note_groups_left_out(rid, pending)
             self._note_tp_left_out(verdict)
             if verdict.status is not CheckStatus.VERIFIED and self.fail_closed:
                 failed[rid] = client_reason(verdict)
         return failed
 
+    def _offloaded_failed(self, request, verdict: LoadVerdict) -> None:
+        """Let the connector drop the offloaded KV that failed its check.
+
+        Under either policy: the stored value is bad, so a retry or another
+        request with the same prefix must not load it again. Whatever the
+        connector raises is logged, never passed on into the engine loop.
+        """
+        try:
+            self.connector.on_kv_checksum_failure(request, verdict.mismatched_blocks)
+        except Exception:
+            logger.exception("KV checksums: %s.on_kv_checksum_failure raised for request %s (group -> block "
+                             "positions %s); the offloaded KV that failed may be loaded again.",
+                             type(self.connector).__name__, verdict.req_id, verdict.mismatched_blocks)
+
     def _count(self, verdict: LoadVerdict) -> None:
+        prefix = metrics.OFFLOADED if verdict.source == OFFLOADED_SOURCE else ""
         if verdict.status is CheckStatus.VERIFIED:
-            self._metrics[metrics.VERIFIED] += 1
+            self._metrics[prefix + metrics.VERIFIED] += 1
         elif verdict.status is CheckStatus.MISMATCH:
-            self._metrics[metrics.MISMATCHED] += 1
-            self._metrics[metrics.MISMATCHED_BLOCKS] += sum(len(b) for b in verdict.mismatched_blocks.values())
+            self._metrics[prefix + metrics.MISMATCHED] += 1
+            self._metrics[prefix + metrics.MISMATCHED_BLOCKS] += sum(
+                len(b) for b in verdict.mismatched_blocks.values())
         else:
             # One reason per load: the load's own, else its first group's.
             keys = verdict.reason_keys
             reason = keys[0].value if keys else UnverifiedReason.COMPARISON_ERROR.value
-            self._metrics[metrics.labelled(metrics.UNVERIFIED, reason)] += 1
+            self._metrics[metrics.labelled(prefix + metrics.UNVERIFIED, reason)] += 1
 
     def _note_groups_left_out(self, req_id: str, pending: _Pending) -> None:
         """Count and log the groups the block rule left out on both sides.

@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from vllm_kvchecksum.group_plan import GroupPlan, TPPosition, plan_groups
 from vllm_kvchecksum.host_copy import PendingHostCopy, new_copy_stream
 from vllm_kvchecksum.records import GroupChecksums, KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord
-from vllm_kvchecksum.rows import RequestBlocks, build_rows
+from vllm_kvchecksum.offload import block_checksum_tags
+from vllm_kvchecksum.rows import BLOCK_IDS, RequestBlocks, build_rows
 
 # A child of "vllm", so it logs through vLLM's handlers and format.
 logger = logging.getLogger("vllm.kv_checksum")
@@ -61,6 +63,11 @@ class KVChecksumWorker:
         # Consumer loads started and not yet finished on this worker, by
         # request id: their blocks are sent once, when the load starts.
         self._pending_recvs: dict[str, KVChecksumBlocks] = {}
+        # Offloaded KV (init_block_checksums): one entry per block, and the
+        # groups they are kept for.
+        self.num_blocks = kv_cache_config.num_blocks
+        self.block_checksums: torch.Tensor | None = None
+        self.offload_groups: frozenset[int] = frozenset()
         for gid, reason in sorted(self.skipped_groups.items()):
             logger.warning("KV checksums: KV cache group %d is not checksummed: %s", gid, reason)
         if tp_rank == 0:
@@ -124,7 +131,7 @@ class KVChecksumWorker:
     def new_record(self) -> KVChecksumRecord:
         return KVChecksumRecord(self.tp_rank, self.tp_size, self.pp_rank, self.pp_size,
                                 dict(self.fingerprints), dict(self.skipped_groups),
-                                tp_local_groups=self.tp_local_groups)
+                                tp_local_groups=self.tp_local_groups, offload_groups=self.offload_groups)
 
     def _request_rows(self, gid: int, blocks, num_tokens: int) -> RequestBlocks:
         """The rows of one request's blocks in a group.
@@ -141,6 +148,9 @@ class KVChecksumWorker:
 
         replica_zero_only: a producer sends replica 0 only; a consumer checks
         every replica of replicated layers, so it computes them all.
+        Loads of offloaded KV (KVChecksumBlocks.offloaded) cover the groups
+        this worker stores entries for, and also report those entries, as
+        the connector wrote them back (KVChecksumRecord.stored).
         Call after the step's forward (and drafter): kernels run on the
         current stream and the copy to host waits on it.
         """
@@ -148,30 +158,24 @@ class KVChecksumWorker:
         for req_id, blocks in reqs.items():
             record.requests[req_id] = {}
             record.num_tokens[req_id] = blocks.num_tokens
-        groups = []  # (gid, [(req_id, GroupBlocks)], keys)
+        groups = []  # (gid, [(req_id, GroupBlocks)], caches)
         for gid in self._active:
             caches = [c for c in self.plans[gid].caches if not (replica_zero_only and c.replica_index)]
-            members = [(rid, b.groups[gid]) for rid, b in reqs.items() if gid in b.groups]
+            members = [(rid, b.groups[gid]) for rid, b in reqs.items()
+                       if gid in b.groups and (not b.offloaded or gid in self.offload_groups)]
             if members:
                 groups.append((gid, members, caches))
         if not groups:
             return KVChecksumOutput([record])
-        rows = build_rows(
-            [[self._request_rows(gid, gb, reqs[rid].num_tokens) for rid, gb in members]
-             for gid, members, _ in groups],
-            [1 if self.plans[gid].state else self.plans[gid].block_size for gid, _, _ in groups],
-            pin_memory=self.device.type == "cuda")
-        keys = sorted({c.key for _, _, caches in groups for c in caches})
-        column = {k: i for i, k in enumerate(keys)}
-        total_rows = rows.table.shape[1]
-        out = torch.zeros((total_rows, max(1, len(keys))), dtype=torch.int64, device=self.device)
-        table = rows.to_device(self.device)
-        for gi, (gid, _, caches) in enumerate(groups):
-            block_ids, first_tokens, valid_tokens = rows.group_rows(table, gi)
-            row, count = rows.groups[gi]
-            group_out = out[row:row + count]
-            for cache in caches:
-                cache.view.accumulate(group_out, column[cache.key], block_ids, first_tokens, valid_tokens)
+        stored = any(reqs[rid].offloaded for _, members, _ in groups for rid, _ in members)
+        rows, table, out, column = self._accumulate(
+            [(gid, [self._request_rows(gid, gb, reqs[rid].num_tokens) for rid, gb in members], caches)
+             for gid, members, caches in groups], extra_columns=int(stored))
+        stored_column = out.shape[1] - 1
+        if stored:
+            for gi in range(len(groups)):
+                row, count = rows.groups[gi]
+                out[row:row + count, stored_column] = self.block_checksums[rows.group_rows(table, gi)[0]]
 
         def deliver(host) -> None:
             for gi, (gid, members, caches) in enumerate(groups):
@@ -181,5 +185,91 @@ class KVChecksumWorker:
                     record.requests[rid][gid] = GroupChecksums(
                         gb.start, count, block_size,
                         {k: host[row:row + count, column[k]].copy() for k in group_keys})
+                    if reqs[rid].offloaded:
+                        record.stored.setdefault(rid, {})[gid] = host[row:row + count, stored_column].copy()
 
         return KVChecksumOutput([record], [PendingHostCopy(out, self._copy_stream, deliver)])
+
+    def _accumulate(self, groups, extra_columns: int = 0):
+        """Queue the per-block partial sums of several groups' rows.
+
+        groups: (gid, [RequestBlocks], caches) per group. Returns (rows, the
+        rows' table on the device, out [rows, keys + extra_columns] int64,
+        key -> column of out).
+        """
+        rows = build_rows([members for _, members, _ in groups],
+                          [1 if self.plans[gid].state else self.plans[gid].block_size for gid, _, _ in groups],
+                          pin_memory=self.device.type == "cuda")
+        keys = sorted({c.key for _, _, caches in groups for c in caches})
+        column = {k: i for i, k in enumerate(keys)}
+        out = torch.zeros((rows.table.shape[1], max(1, len(keys)) + extra_columns), dtype=torch.int64,
+                          device=self.device)
+        table = rows.to_device(self.device)
+        for gi, (_, _, caches) in enumerate(groups):
+            block_ids, first_tokens, valid_tokens = rows.group_rows(table, gi)
+            row, count = rows.groups[gi]
+            group_out = out[row:row + count]
+            for cache in caches:
+                cache.view.accumulate(group_out, column[cache.key], block_ids, first_tokens, valid_tokens)
+        return rows, table, out, column
+
+    # -- checksums stored with offloaded KV (offload.py) ----------------------
+
+    def init_block_checksums(self, group_ids) -> torch.Tensor:
+        """The entries a connector stores with each offloaded block.
+
+        Called by the connector (after set_kv_checksum_worker, from
+        register_kv_caches) with the KV cache groups it offloads. Returns a
+        (num_blocks,) int64 tensor on the KV cache device: entry b is this
+        worker's checksum of block b, tagged (offload.block_checksum_tags),
+        once save_block_checksums filled it. The connector moves an entry
+        wherever it moves the block's KV, and writes it back before it
+        reports the load finished. Groups this worker cannot checksum (and
+        Mamba state groups) are not covered; loads of them are not checked.
+        """
+        covered = []
+        for gid in group_ids:
+            plan = self.plans.get(gid)
+            if plan is None or plan.skip_reason is not None or plan.state:
+                logger.warning("KV checksums: KV cache group %s is not checked when loaded back from offloading: "
+                               "%s", gid, "no such group" if plan is None else plan.skip_reason
+                               or "Mamba state is not stored per block")
+                continue
+            covered.append(gid)
+        self.offload_groups = frozenset(covered)
+        if self.block_checksums is None:
+            self.block_checksums = torch.zeros(self.num_blocks, dtype=torch.int64, device=self.device)
+        return self.block_checksums
+
+    def save_block_checksums(self, runs) -> None:
+        """Fill the entries of full blocks a connector is about to offload.
+
+        runs: offload.BlockChecksumRun (group, first position, block ids,
+        block hashes). Queued on the current stream: call after the forward
+        that wrote the blocks and before the connector reads them (e.g.
+        before the event its sending thread waits on). Runs of groups not
+        covered are ignored.
+        """
+        if self.block_checksums is None:
+            return
+        by_group: dict[int, list] = {}
+        for run in runs:
+            if run.group_id in self.offload_groups and len(run.block_ids) and run.group_id in self._active:
+                by_group.setdefault(run.group_id, []).append(run)
+        if not by_group:
+            return
+        gids = sorted(by_group)
+        rows, table, out, _ = self._accumulate(
+            [(gid, [RequestBlocks(r.block_ids, r.start, (r.start + len(r.block_ids)) * self.plans[gid].block_size)
+                    for r in by_group[gid]], self.plans[gid].caches) for gid in gids])
+        # Which rows hold a run's block (not a group's padding row), and their tags.
+        picked, tags = [], []
+        for gi, gid in enumerate(gids):
+            for run, (row, count) in zip(by_group[gid], rows.requests[gi]):
+                picked.append(np.arange(row, row + count))
+                tags.append(block_checksum_tags(run.block_hashes, self.fingerprints[gid]))
+        picked_rows = torch.from_numpy(np.concatenate(picked)).to(self.device, non_blocking=True)
+        tag_values = torch.from_numpy(np.concatenate(tags).view(np.int64)).to(self.device, non_blocking=True)
+        values = out.sum(dim=1).index_select(0, picked_rows) ^ tag_values
+        block_ids = table[BLOCK_IDS].index_select(0, picked_rows)
+        self.block_checksums.index_copy_(0, block_ids, values)

@@ -1,0 +1,43 @@
+"""One real vLLM engine (CPU) with MooncakeStoreConnector and KV checksums, driven over stdin.
+
+Run by test_mooncake_store.py as a subprocess:
+
+    python store_engine.py ROLE  (kv_both: computes and stores; kv_consumer: loads from the store)
+
+MOONCAKE_CONFIG_PATH names the store's config (master, metadata server,
+protocol tcp). Each stdin line is a JSON list of prompts (token id lists);
+the engine generates them greedily and answers one JSON line on stdout:
+{"outputs": [token ids per prompt], "cached": [num_cached_tokens per prompt]}.
+It exits cleanly at EOF (the test keeps a storing engine alive while another
+reads: the values live in the storing client's segment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    role = sys.argv[1]
+    model = os.environ["KVCS_STORE_MODEL"]
+    kv = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role=role, enable_kv_checksum=True,
+                          kv_checksum_fail_closed=True, kv_load_failure_policy="recompute")
+    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, block_size=32, max_model_len=512,
+              kv_cache_memory_bytes=64 * 2**20, seed=0, enable_prefix_caching=True, kv_transfer_config=kv)
+    params = SamplingParams(max_tokens=6, temperature=0)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        prompts = json.loads(line)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        print(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                          "cached": [o.num_cached_tokens for o in outs]}), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""KV loaded back from offloading is checked against the checksums stored with it.
+
+Real vLLM Schedulers and KVChecksumWorkers (pd_harness), with a host-store
+offloading connector (offload_harness): instance A computes a prompt and
+offloads its full blocks with their entries; instance B, with an empty cache,
+loads them back asynchronously, and its scheduler checks them per block.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from offload_harness import STORE, host_connector, load_prompt, make_offload_side, perform_loads, store_prompt
+from pd_harness import forward_of, make_config, prompt_of, stats
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+BS = 16
+PROMPT = BS * 5 + 3  # 5 full blocks, then 3 tokens computed locally
+FULL = PROMPT // BS
+
+
+@pytest.fixture(autouse=True)
+def _empty_store():
+    STORE.clear()
+    yield
+    STORE.clear()
+
+
+def _corrupt_store_kv(hashes, position: int, worker: int = 0):
+    value = STORE[hashes[position]][worker]
+    layer = sorted(value.kv)[0]
+    value.kv[layer].view(torch.uint8)[0, 1, 2] ^= 0x08
+
+
+def _corrupt_store_entry(hashes, position: int, worker: int = 0):
+    STORE[hashes[position]][worker].entries[0] ^= 1 << 40
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_intact_offloaded_kv_is_verified(tp, logs):
+    A, B = make_offload_side(tp=tp), make_offload_side(tp=tp)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    assert len(hashes) == FULL and all(len(STORE[h]) == tp for h in hashes)
+    result = load_prompt(B, prompt)
+    assert stats(B) == {"verified": 1, "offloaded_verified": 1}, logs.text
+    assert result.failures == []
+    assert result.next_scheduled == PROMPT - FULL * BS  # the rest of the prompt, computed
+    assert B.reported_metrics == {"offloaded_loads_verified": 1}
+    assert "group 0 verified (5 blocks compared)" in logs.text
+
+
+CORRUPTIONS = {
+    "kv_bit": lambda hashes: _corrupt_store_kv(hashes, 2),
+    "entry": lambda hashes: _corrupt_store_entry(hashes, 3),
+    "kv_bit_rank1": lambda hashes: _corrupt_store_kv(hashes, 1, worker=1),
+}
+BAD_POSITION = {"kv_bit": 2, "entry": 3, "kv_bit_rank1": 1}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_corrupted_store_value_fails_the_load_and_is_dropped(kind, policy, logs):
+    tp = 2 if kind == "kv_bit_rank1" else 1
+    A = make_offload_side(tp=tp)
+    B = make_offload_side(tp=tp, fail_closed=True, policy=policy)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    CORRUPTIONS[kind](hashes)
+    result = load_prompt(B, prompt)
+    bad = BAD_POSITION[kind]
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    assert result.failures == [(result.request.request_id, {0: (bad,)})]
+    assert hashes[bad] not in STORE and all(h in STORE for i, h in enumerate(hashes) if i != bad)
+    assert f"KV checksum mismatch for request {result.request.request_id!r} (offloaded KV loaded back): " \
+           f"group 0 differs at block positions {bad}" in logs.text
+    assert B.reported_metrics["offloaded_loads_mismatched"] == 1
+    assert B.reported_metrics["offloaded_mismatched_blocks"] == 1
+    out = result.outputs.get(result.request.request_id)
+    if policy == "fail":
+        assert out.finish_reason.name == "ERROR" and result.request.is_finished()
+        assert out.stop_reason.startswith("kv_checksum_mismatch: the KV loaded back from the offloaded KV cache")
+    else:
+        # Retried: the store no longer has the bad block, so the retry loads
+        # the blocks before it (checked again) and computes the rest.
+        req = result.request
+        assert not req.is_finished() and result.next_scheduled == 0
+        assert req.status.name == "WAITING_FOR_REMOTE_KVS"
+        assert host_connector(B).pending_loads[req.request_id].num_blocks == bad
+        _, outputs = B.step(finished_recving=set(perform_loads(B)))
+        assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1, "verified": 1, "offloaded_verified": 1}
+        out, _ = B.step(forward=forward_of(B, req))
+        assert out.num_scheduled_tokens[req.request_id] == PROMPT - bad * BS
+
+
+def test_corrupted_store_value_fail_open_is_logged_used_and_dropped(logs):
+    A, B = make_offload_side(), make_offload_side()
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 4)
+    result = load_prompt(B, prompt)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}
+    assert any(r.levelno == logging.ERROR and "offloaded KV loaded back" in r.getMessage() for r in logs.records)
+    assert result.next_scheduled == PROMPT - FULL * BS  # used (fail-open)
+    assert result.failures == [(result.request.request_id, {0: (4,)})]  # and dropped from the store
+    assert hashes[4] not in STORE
+
+
+def test_another_prefixs_intact_value_fails_by_its_tag(logs):
+    """The store holds, under this prompt's hashes, intact values stored for
+    the same positions of another prompt (a misplaced or late-written value).
+    Each one checksums to its own entry; only the tag tells them apart."""
+    A, B = make_offload_side(), make_offload_side(fail_closed=True)
+    prompt, other = prompt_of(PROMPT), prompt_of(PROMPT, seed=5)
+    mine = store_prompt(A, prompt)
+    STORE.clear()
+    store_prompt(A, other, block_hashes=mine)  # other's KV and entries, under prompt's keys
+    result = load_prompt(B, prompt)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    assert result.failures == [(result.request.request_id, {0: tuple(range(FULL))})]
+
+
+def test_another_models_value_fails_by_its_fingerprint(logs):
+    """A value stored by a model whose group fingerprint differs (other layer
+    names or dtypes, same cache shape) fails though its KV is this prompt's."""
+    A, B = make_offload_side(), make_offload_side(fail_closed=True)
+    for w in A.workers:
+        w.checksums.fingerprints[0] ^= 0x5A5A
+    prompt = prompt_of(PROMPT)
+    store_prompt(A, prompt)
+    result = load_prompt(B, prompt)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    assert result.failures == [(result.request.request_id, {0: tuple(range(FULL))})]
+
+
+def test_a_value_moved_to_another_position_fails(logs):
+    A, B = make_offload_side(), make_offload_side(fail_closed=True)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    STORE[hashes[1]], STORE[hashes[3]] = STORE[hashes[3]], STORE[hashes[1]]
+    result = load_prompt(B, prompt)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    assert result.failures == [(result.request.request_id, {0: (1, 3)})]
+
+
+def test_groups_not_covered_are_not_checked(logs):
+    """Entries are kept for group 0 only: group 1 (sliding window) is not
+    checked, so its corruption passes; group 0's is caught."""
+    kw = dict(sliding_window=48, covered=(0,))
+    A, B = make_offload_side(**kw), make_offload_side(fail_closed=True, **kw)
+    assert B.workers[0].checksums.offload_groups == {0}
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    value = STORE[hashes[4]][0]
+    group1_layer = "model.layers.1.self_attn.attn"
+    value.kv[group1_layer].view(torch.uint8)[0, 0, 0] ^= 0x01
+    result = load_prompt(B, prompt)
+    assert stats(B) == {"verified": 1, "offloaded_verified": 1}, logs.text
+    assert "group 1" not in logs.text.split("offloaded KV loaded back")[-1].splitlines()[0]
+    STORE.clear()
+    hashes = store_prompt(A, prompt_of(PROMPT, seed=3))
+    _corrupt_store_kv(hashes, 0)  # a group 0 layer (sorted first: layers.0)
+    result = load_prompt(B, prompt_of(PROMPT, seed=3))
+    assert result.failures == [(result.request.request_id, {0: (0,)})]
+
+
+@pytest.mark.parametrize("sources", [(), (CacheHitSource.DISK,)])
+def test_tier_without_checksums_is_not_checked(sources, logs):
+    """A load from a tier whose loads bring no checksums back is not checked
+    (and, when the connector has other tiers that do, counted as such)."""
+    A, B = make_offload_side(), make_offload_side(fail_closed=True)
+    host_connector(B).sources = set(sources)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 2)
+    result = load_prompt(B, prompt)
+    assert stats(B) == {}
+    assert result.next_scheduled == PROMPT - FULL * BS
+    expected = {"offloaded_loads_not_checked/tier_not_covered": 1} if sources else {}
+    assert dict(B.reported_metrics) == expected
+
+
+def test_multi_connector_routes_to_the_connector_serving_the_load(logs):
+    """MultiConnector asks the child that serves the load which tiers bring
+    checksums back, and tells that child of a failure; another child that
+    reports the same tier is not asked."""
+    A = make_offload_side()
+    B = make_offload_side(fail_closed=True, multi=1)
+    serving, other = B.scheduler.connector._connectors
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 2)
+    result = load_prompt(B, prompt)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    assert serving.failures == [(result.request.request_id, {0: (2,)})] and other.failures == []
+    # The serving child brings no checksums back: not checked, though the
+    # other child would say its (same) tier does.
+    serving.sources = set()
+    STORE.clear()
+    store_prompt(A, prompt_of(PROMPT, seed=9))
+    load_prompt(B, prompt_of(PROMPT, seed=9))
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}
+
+
+def test_multi_connector_hands_the_checksum_worker_to_every_connector():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    child = dict(kv_connector="HostOffloadConnector", kv_connector_module_path="offload_harness", kv_role="kv_both")
+    config = make_config("kv_both", 1, 1, 16, connector_extra={"connectors": [child, child]})
+    seen = []
+
+    class Worker:
+        pass
+
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[]))
+    assert isinstance(connector, MultiConnector)
+    for c in connector._connectors:
+        c.set_kv_checksum_worker = lambda w, c=c: seen.append((c, w))
+    worker = Worker()
+    connector.set_kv_checksum_worker(worker)
+    assert [w for _, w in seen] == [worker, worker]
+    assert {id(c) for c, _ in seen} == {id(c) for c in connector._connectors}
