@@ -63,14 +63,18 @@ class KVChecksumScheduled:
     request ended, its load failed or was compared). Workers apply it before
     reqs_to_recv: a request id in both had its old load dropped before the
     new one started.
+    reqs_loaded: synchronous loads of offloaded KV that the connector performs
+    in this step (before the forward uses them); checksummed after the
+    step's forward, like a finished load.
     """
 
     reqs_to_send: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     reqs_to_recv: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     reqs_to_forget: set[str] = field(default_factory=set)
+    reqs_loaded: dict[str, KVChecksumBlocks] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not self.reqs_to_send and not self.reqs_to_recv and not self.reqs_to_forget
+        return not (self.reqs_to_send or self.reqs_to_recv or self.reqs_to_forget or self.reqs_loaded)
 
 
 @dataclass

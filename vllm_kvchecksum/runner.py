@@ -108,9 +108,13 @@ def _step_loads(worker: KVChecksumWorker, scheduled: KVChecksumScheduled | None,
     scheduler before its new one started. Add before checksumming: a load
     can finish in the step it starts.
     """
+    loaded_now = None
     if scheduled is not None:
         worker.forget_loads(scheduled.reqs_to_forget)
         worker.expect_loads(scheduled.reqs_to_recv)
+        if scheduled.reqs_loaded:
+            # Synchronous loads: the connector wrote them before this step's forward.
+            loaded_now = worker.compute(scheduled.reqs_loaded, replica_zero_only=False)
     if not finished_recving and not received:
-        return None
-    return worker.compute_finished_loads(finished_recving or (), received)
+        return loaded_now
+    return KVChecksumOutput.aggregate([loaded_now, worker.compute_finished_loads(finished_recving or (), received)])

@@ -197,6 +197,7 @@ class KVChecksumScheduler:
         self.num_workers = pc.tensor_parallel_size * pc.pipeline_parallel_size
         self.null_block_id = null_block_id
         self.layouts = transfer_layouts(vllm_config, kv_cache_config)
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         # Loads of offloaded KV are checked per block against entries tagged
         # with the request's block hashes: only groups whose blocks each have
         # one hash (and not Mamba state, which is not stored per block).
@@ -205,6 +206,8 @@ class KVChecksumScheduler:
         self._step = KVChecksumScheduled()
         self._sends: dict[str, _Pending] = {}
         self._recvs: dict[str, _Pending] = {}
+        # Synchronous loads of offloaded KV scheduled in this step.
+        self._sync: dict[str, _Pending] = {}
         self._warned: set[str] = set()
         # Verdicts so far ("verified", "mismatch", "unverified"), and
         # producer payloads "sent" / "not_sent": for logs and tests.
@@ -308,22 +311,80 @@ class KVChecksumScheduler:
         checksums stored with the KV back (get_kv_checksum_sources): every
         full block loaded, in the groups whose blocks have one hash each.
         """
-        if not self.offload_layouts:
+        pending = self._offloaded_pending(request, block_ids, num_local_tokens, num_tokens)
+        if pending is None:
             return
+        self._recvs[request.request_id] = pending
+        self._step.reqs_to_recv[request.request_id] = pending.blocks
+
+    def add_sync_load(self, request: Request, block_ids, num_local_tokens: int, num_tokens: int) -> None:
+        """A synchronous load of tokens [num_local_tokens, num_tokens) is scheduled in this step.
+
+        The connector loads them during the step, before the forward uses
+        them; the workers checksum them after the forward, and
+        verify_sync_loads compares them in the same step's update. Only with
+        one KV cache group: vLLM rolls a bad synchronous load back by its
+        invalid blocks, which it supports for one group only.
+        """
+        if self.num_kv_cache_groups != 1:
+            pending = self._offloaded_pending(request, block_ids, num_local_tokens, num_tokens, count=False)
+            if pending is not None:
+                self._metrics[metrics.labelled(metrics.OFFLOADED_NOT_CHECKED, "sync_load")] += 1
+                if "sync_load" not in self._warned:
+                    self._warned.add("sync_load")
+                    logger.warning("KV checksums: synchronous loads of offloaded KV (e.g. request %s) are not "
+                                   "checked with %d KV cache groups: vLLM rolls a bad synchronous load back by "
+                                   "invalid blocks, which it supports for one group only. Use the connector's "
+                                   "asynchronous loads to have them checked. Logged once.", request.request_id,
+                                   self.num_kv_cache_groups)
+            return
+        pending = self._offloaded_pending(request, block_ids, num_local_tokens, num_tokens)
+        if pending is not None:
+            self._sync[request.request_id] = pending
+            self._step.reqs_loaded[request.request_id] = pending.blocks
+
+    def verify_sync_loads(self) -> tuple[set[int], dict[str, str]]:
+        """Compare the synchronous loads of this step (their records came with it).
+
+        Returns the block ids to report invalid (vLLM then drops the step's
+        outputs of the requests using them and recomputes or fails them, by
+        kv_load_failure_policy) and, per failed request, the reason for the
+        client. Under fail-open both are empty; failures are only logged.
+        """
+        invalid: set[int] = set()
+        reasons: dict[str, str] = {}
+        sync, self._sync = self._sync, {}
+        for rid, pending in sync.items():
+            verdict = self._judge(rid, pending)
+            if verdict.status is CheckStatus.VERIFIED or not self.fail_closed:
+                continue
+            reasons[rid] = client_reason(verdict)
+            for gid, blocks in pending.blocks.groups.items():
+                bad = verdict.mismatched_blocks.get(gid)
+                positions = range(blocks.start, blocks.start + len(blocks.block_ids)) if bad is None else bad
+                invalid.update(blocks.block_ids[p - blocks.start] for p in positions)
+        return invalid, reasons
+
+    def _offloaded_pending(self, request: Request, block_ids, num_local_tokens: int, num_tokens: int,
+                           count: bool = True) -> _Pending | None:
+        """What to check of a load of offloaded KV, or None when it is not checked."""
+        if not self.offload_layouts:
+            return None
         try:
             tiers, sources = self._offload_tiers(request, num_tokens - num_local_tokens)
         except Exception:
             logger.exception("KV checksums: asking the connector where request %s's load comes from raised; the "
                              "load is not checked.", request.request_id)
-            return
+            return None
         if not sources:
-            return
+            return None
         if not tiers or not tiers <= sources:
-            self._metrics[metrics.labelled(metrics.OFFLOADED_NOT_CHECKED, "tier_not_covered")] += 1
+            if count:
+                self._metrics[metrics.labelled(metrics.OFFLOADED_NOT_CHECKED, "tier_not_covered")] += 1
             logger.debug("KV checksums: the load of request %s comes from %s; checksums come back only from %s, so "
                          "it is not checked.", request.request_id, sorted(t.value for t in tiers),
                          sorted(t.value for t in sources))
-            return
+            return None
         groups, hashes = {}, {}
         for layout in self.offload_layouts:
             full_end = num_tokens // layout.block_size * layout.block_size
@@ -334,10 +395,8 @@ class KVChecksumScheduler:
             groups[layout.group_id] = blocks
             hashes[layout.group_id] = list(request.block_hashes[blocks.start:blocks.start + len(blocks.block_ids)])
         if not groups:
-            return
-        blocks = KVChecksumBlocks(num_tokens, groups, offloaded=True)
-        self._recvs[request.request_id] = _Pending(blocks, request=request, block_hashes=hashes)
-        self._step.reqs_to_recv[request.request_id] = blocks
+            return None
+        return _Pending(KVChecksumBlocks(num_tokens, groups, offloaded=True), request=request, block_hashes=hashes)
 
     @staticmethod
     def _decode_expected(pending: _Pending, req_id: str, data, source: str) -> None:
@@ -377,7 +436,7 @@ class KVChecksumScheduler:
             return
         for record in output.finalize():
             for rid in record.requests:
-                pending = self._sends.get(rid) or self._recvs.get(rid)
+                pending = self._sends.get(rid) or self._recvs.get(rid) or self._sync.get(rid)
                 if pending is not None:
                     pending.records.append(record)
             for rid, data in record.received.items():
@@ -456,40 +515,46 @@ class KVChecksumScheduler:
             pending = self._drop_recv(rid)
             if pending is None:
                 continue
-            try:
-                if pending.blocks.offloaded:
-                    verdict = compare_offloaded(
-                        pending.records, rid, self.num_workers,
-                        {g: (b.start, len(b.block_ids)) for g, b in pending.blocks.groups.items()},
-                        pending.blocks.num_tokens, pending.block_hashes)
-                else:
-                    scheduled = {g: (b.start, len(b.block_ids), self._layout(g).block_size,
-                                     self._layout(g).is_state) for g, b in pending.blocks.groups.items()}
-                    verdict = compare_load(pending.expected, pending.records, rid, self.num_workers, scheduled,
-                                           pending.blocks.num_tokens, missing_reason=pending.missing_reason)
-            except Exception as exc:
-                # The payload comes from the client: whatever comparing one load
-                # raises must not escape update_from_output and stop the engine
-                # core. The load is unverified, and the other loads go on.
-                logger.exception("Comparing the KV checksums of request %s raised %s: %s; the load is "
-                                 "unverified. Please report this with the request's kv_transfer_params.",
-                                 rid, type(exc).__name__, exc)
-                verdict = LoadVerdict(req_id=rid, status=CheckStatus.UNVERIFIED,
-                                      reason_key=UnverifiedReason.COMPARISON_ERROR,
-                                      reason=f"comparing raised {type(exc).__name__}: {exc}",
-                                      source=OFFLOADED_SOURCE if pending.blocks.offloaded else "producer")
-            self.stats[verdict.status.value] += 1
-            if pending.blocks.offloaded:
-                self.stats[f"offloaded_{verdict.status.value}"] += 1
-            self._count(verdict)
-            self._log(verdict)
-            if pending.blocks.offloaded and verdict.status is CheckStatus.MISMATCH:
-                self._offloaded_failed(pending.request, verdict)
+            verdict = self._judge(rid, pending)
             self._note_groups_left_out(rid, pending)
             self._note_tp_left_out(verdict)
             if verdict.status is not CheckStatus.VERIFIED and self.fail_closed:
                 failed[rid] = client_reason(verdict)
         return failed
+
+    def _judge(self, rid: str, pending: _Pending) -> LoadVerdict:
+        """Compare one finished load, count and log its verdict, and let the
+        connector drop offloaded KV that failed."""
+        try:
+            if pending.blocks.offloaded:
+                verdict = compare_offloaded(
+                    pending.records, rid, self.num_workers,
+                    {g: (b.start, len(b.block_ids)) for g, b in pending.blocks.groups.items()},
+                    pending.blocks.num_tokens, pending.block_hashes)
+            else:
+                scheduled = {g: (b.start, len(b.block_ids), self._layout(g).block_size,
+                                 self._layout(g).is_state) for g, b in pending.blocks.groups.items()}
+                verdict = compare_load(pending.expected, pending.records, rid, self.num_workers, scheduled,
+                                       pending.blocks.num_tokens, missing_reason=pending.missing_reason)
+        except Exception as exc:
+            # The payload comes from the client: whatever comparing one load
+            # raises must not escape update_from_output and stop the engine
+            # core. The load is unverified, and the other loads go on.
+            logger.exception("Comparing the KV checksums of request %s raised %s: %s; the load is "
+                             "unverified. Please report this with the request's kv_transfer_params.",
+                             rid, type(exc).__name__, exc)
+            verdict = LoadVerdict(req_id=rid, status=CheckStatus.UNVERIFIED,
+                                  reason_key=UnverifiedReason.COMPARISON_ERROR,
+                                  reason=f"comparing raised {type(exc).__name__}: {exc}",
+                                  source=OFFLOADED_SOURCE if pending.blocks.offloaded else "producer")
+        self.stats[verdict.status.value] += 1
+        if pending.blocks.offloaded:
+            self.stats[f"offloaded_{verdict.status.value}"] += 1
+        self._count(verdict)
+        self._log(verdict)
+        if pending.blocks.offloaded and verdict.status is CheckStatus.MISMATCH:
+            self._offloaded_failed(pending.request, verdict)
+        return verdict
 
     def _offloaded_failed(self, request, verdict: LoadVerdict) -> None:
         """Let the connector drop the offloaded KV that failed its check.
@@ -552,6 +617,8 @@ class KVChecksumScheduler:
     def forget(self, req_id: str) -> None:
         """The request ended (or its load failed): drop what is kept for it."""
         self._sends.pop(req_id, None)
+        self._sync.pop(req_id, None)
+        self._step.reqs_loaded.pop(req_id, None)
         if self._drop_recv(req_id) is not None:
             self._metrics[metrics.labelled(metrics.NOT_COMPARED, "request_ended")] += 1
         self._step.reqs_to_send.pop(req_id, None)

@@ -45,7 +45,8 @@ STORE: dict[bytes, dict[int, StoredValue]] = {}
 @dataclass
 class PendingLoad:
     block_ids: list[list[int]]  # per group
-    num_blocks: int  # the last num_blocks before the request's computed tokens
+    first: int  # the first block position loaded
+    num_blocks: int
 
 
 class HostOffloadConnector(KVConnectorBase_V1, SupportsHMA):
@@ -59,6 +60,10 @@ class HostOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.pending_loads: dict[str, PendingLoad] = {}
         self.failures: list[tuple[str, dict]] = []
         self.sources = {CacheHitSource.HOST}
+        # False: loads are synchronous (done in the step that schedules
+        # them, before its forward: `perform_loads` in the step's forward).
+        self.load_async = True
+        self._local: dict[str, int] = {}
 
     # -- scheduler ---------------------------------------------------------
 
@@ -71,12 +76,14 @@ class HostOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             hits += 1
         if not hits:
             return 0, False
-        return (start + hits) * self.block_size - num_computed_tokens, True
+        self._local[request.request_id] = num_computed_tokens
+        return (start + hits) * self.block_size - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         if num_external_tokens:
+            first = self._local.pop(request.request_id, 0) // self.block_size
             self.pending_loads[request.request_id] = PendingLoad(
-                [list(ids) for ids in blocks.get_block_ids()], num_external_tokens // self.block_size)
+                [list(ids) for ids in blocks.get_block_ids()], first, num_external_tokens // self.block_size)
 
     def build_connector_meta(self, scheduler_output):
         return KVConnectorMetadata()
@@ -173,9 +180,8 @@ def perform_loads(side: Side) -> list[str]:
     done = []
     for req_id, load in connector.pending_loads.items():
         req = side.scheduler.requests[req_id]
-        first = req.num_computed_tokens // side.block_size - load.num_blocks
         for gid, (layers, _) in enumerate(side.groups):
-            for pos in range(first, first + load.num_blocks):
+            for pos in range(load.first, load.first + load.num_blocks):
                 block_id = load.block_ids[gid][pos]
                 values = STORE.get(req.block_hashes[pos], {})
                 for index, w in enumerate(side.workers):
@@ -212,3 +218,20 @@ def load_prompt(side: Side, prompt: list[int], *, tamper=None, max_tokens: int =
     _, outputs = side.step(finished_recving=set(done))
     out, _ = side.step(forward=forward_of(side, req))
     return Loaded(req, outputs, out.num_scheduled_tokens.get(req.request_id, 0), list(host_connector(side).failures))
+
+
+def load_prompt_sync(side: Side, prompt: list[int], *, max_tokens: int = 2):
+    """Load a prompt's KV synchronously: the step that schedules it loads it
+    (before its forward) and uses it; the request, and that step's engine
+    outputs and scheduler output."""
+    host_connector(side).load_async = False
+    req = make_request(prompt, block_size=side.block_size, max_tokens=max_tokens)
+    side.scheduler.add_request(req)
+    computed = forward_of(side, req)
+
+    def forward(out):
+        perform_loads(side)
+        computed(out)
+
+    out, outputs = side.step(forward=forward)
+    return req, outputs, out

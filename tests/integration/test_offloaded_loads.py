@@ -13,7 +13,8 @@ import logging
 import pytest
 import torch
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-from offload_harness import STORE, host_connector, load_prompt, make_offload_side, perform_loads, store_prompt
+from offload_harness import (STORE, host_connector, load_prompt, load_prompt_sync, make_offload_side, perform_loads,
+                             store_prompt)
 from pd_harness import forward_of, make_config, prompt_of, stats
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -225,3 +226,62 @@ def test_multi_connector_hands_the_checksum_worker_to_every_connector():
     connector.set_kv_checksum_worker(worker)
     assert [w for _, w in seen] == [worker, worker]
     assert {id(c) for c, _ in seen} == {id(c) for c in connector._connectors}
+
+
+# -- synchronous loads (the step that schedules a load also uses it) ----------
+
+
+def test_intact_sync_load_is_verified_in_its_step(logs):
+    A, B = make_offload_side(), make_offload_side(fail_closed=True)
+    prompt = prompt_of(PROMPT)
+    store_prompt(A, prompt)
+    req, outputs, out = load_prompt_sync(B, prompt)
+    assert out.num_scheduled_tokens[req.request_id] == PROMPT - FULL * BS  # loaded, and run in the same step
+    assert out.kv_checksum_scheduled.reqs_loaded[req.request_id].offloaded
+    assert stats(B) == {"verified": 1, "offloaded_verified": 1}, logs.text
+    assert outputs[req.request_id].new_token_ids  # the step's output is kept
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_corrupted_sync_load_is_rolled_back(policy, logs):
+    A, B = make_offload_side(), make_offload_side(fail_closed=True, policy=policy)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 3)
+    req, outputs, out = load_prompt_sync(B, prompt)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    assert host_connector(B).failures == [(req.request_id, {0: (3,)})]
+    assert hashes[3] not in STORE
+    if policy == "fail":
+        assert req.is_finished() and outputs[req.request_id].finish_reason.name == "ERROR"
+        assert req.stop_reason.startswith("kv_checksum_mismatch: the KV loaded back from the offloaded KV cache")
+    else:
+        # The step's output is dropped and the request resumes from the bad block.
+        assert not req.is_finished()
+        assert req.request_id not in outputs or not outputs[req.request_id].new_token_ids
+        assert req.num_computed_tokens == 3 * BS
+        nxt, _ = B.step(forward=forward_of(B, req))
+        assert nxt.num_scheduled_tokens[req.request_id] == PROMPT - 3 * BS
+
+
+def test_corrupted_sync_load_fail_open_is_logged_and_used(logs):
+    A, B = make_offload_side(), make_offload_side()
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 0)
+    req, outputs, out = load_prompt_sync(B, prompt)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}
+    assert outputs[req.request_id].new_token_ids  # used
+    assert host_connector(B).failures == [(req.request_id, {0: (0,)})]
+
+
+def test_sync_loads_with_several_groups_are_not_checked_and_say_so(logs):
+    kw = dict(sliding_window=48, covered=(0, 1))
+    A, B = make_offload_side(**kw), make_offload_side(fail_closed=True, **kw)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 0)
+    req, outputs, out = load_prompt_sync(B, prompt)
+    assert stats(B) == {}
+    assert dict(B.reported_metrics) == {"offloaded_loads_not_checked/sync_load": 1}
+    assert "synchronous loads of offloaded KV" in logs.text and "not checked with 2 KV cache groups" in logs.text
