@@ -42,6 +42,7 @@ from kvcs_demo import prom
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_transfer_config, make_models,
                               mooncake_bootstrap, push_target, server_argv, server_env)
+from kvcs_demo.store import STORE_FAULTS
 
 FAULT_KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
                "misplace_block", "change_tail", "drop_checksums")
@@ -582,30 +583,37 @@ def print_table(report: dict) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="make demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=1, help="requests per phase and setup (default 1)")
-    p.add_argument("--kinds", default=",".join(FAULT_KINDS),
-                   help="fault kinds, one phase each (default: all: " + ",".join(FAULT_KINDS) + ")")
+    p.add_argument("--kinds", default=None,
+                   help="fault kinds, one phase each (default: all: " + ",".join(FAULT_KINDS) + "; with --mode "
+                   "store: " + ",".join(STORE_FAULTS) + ")")
     p.add_argument("--model", type=Path, help="another model directory (default: the tiny Llama and Gemma-2)")
     p.add_argument("--setups", help="comma-separated setup names to run (default: all)")
     p.add_argument("--producer-tp", type=int, default=1, help="tensor parallel size of the producers (CPU)")
-    p.add_argument("--mode", choices=MODES, default="pull",
+    p.add_argument("--mode", choices=(*MODES, "store"), default="pull",
                    help="connector mode (pull: NixlConnector, the consumer READs the KV after the producer answered; "
                         "push: NixlPushConnector, the consumer registers its blocks and the producer WRITEs into "
                         "them, the proxy sending both legs at once; mooncake: MooncakeConnector over TCP, both legs "
                         "at once with one transfer id, needs mooncake-transfer-engine(-non-cuda); push and "
-                        "mooncake run no hostile client)")
+                        "mooncake run no hostile client; store: no P/D, a Mooncake store with checksummed values and faults "
+                        "injected into it, see kvcs_demo/store.py)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=os.environ.get("VLLM_DEVICE") or "cpu")
-    p.add_argument("--ttft-requests", type=int, default=20, help="TTFT requests each with checksums on and off "
-                   "(0: skip the baseline pair)")
+    p.add_argument("--ttft-requests", type=int, default=None, help="TTFT requests each with checksums on and off "
+                   "(default 20, 5 with --mode store; 0: skip the baseline pair)")
     p.add_argument("--no-hostile", action="store_true", help="skip the hostile-client requests")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "demo", help="report and logs directory")
     p.add_argument("--python", default=sys.executable, help="the Python that runs the servers")
     args = p.parse_args(argv)
     if args.device not in ("cpu", "cuda"):  # a default from VLLM_DEVICE is not checked by argparse
         p.error(f"VLLM_DEVICE / --device must be cpu or cuda, got {args.device!r}")
-    args.kinds = [k for k in args.kinds.split(",") if k]
-    unknown = set(args.kinds) - set(FAULT_KINDS)
+    known = STORE_FAULTS if args.mode == "store" else FAULT_KINDS
+    args.kinds = list(known) if args.kinds is None else [k for k in args.kinds.split(",") if k]
+    unknown = set(args.kinds) - set(known)
     if unknown:
-        p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(FAULT_KINDS)}")
+        p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(known)}")
+    if args.ttft_requests is None:
+        args.ttft_requests = 5 if args.mode == "store" else 20
+    if args.mode == "store" and args.device != "cpu":
+        p.error("--mode store runs on the CPU backend only")
     if args.requests < 1:
         p.error("--requests must be at least 1")
     if args.device == "cuda" and args.model is None:
@@ -635,6 +643,9 @@ def choose_setups(args) -> list[Setup]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.mode == "store":  # no P/D: a Mooncake store between two servers (store.py)
+        from kvcs_demo.store import run as run_store
+        return run_store(args)
     t0 = time.monotonic()
     setups = choose_setups(args)
     work = args.out

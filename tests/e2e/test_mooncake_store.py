@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -39,77 +36,10 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "build" / "tiny-llama"
 BLOCK = 32
 
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _wait_port(port: int, deadline: float) -> None:
-    while time.time() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on {port}")
-
-
-class Master:
-    def __init__(self, tmp: Path):
-        bindir = Path(sys.executable).parent
-        self.rpc, self.http, self.metrics = _free_ports(3)
-        self.log = open(tmp / "master.log", "w")
-        self.proc = subprocess.Popen(
-            [str(bindir / "mooncake_master"), f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={self.http}", "--metrics_host=127.0.0.1",
-             f"--metrics_port={self.metrics}"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        _wait_port(self.rpc, time.time() + 30)
-        _wait_port(self.http, time.time() + 30)
-        self.config = tmp / "mooncake.json"
-        self.config.write_text(json.dumps({
-            "metadata_server": f"http://127.0.0.1:{self.http}/metadata",
-            "master_server_address": f"127.0.0.1:{self.rpc}", "protocol": "tcp", "device_name": "",
-            "global_segment_size": "256MB", "local_buffer_size": "64MB"}))
-
-    def keys(self) -> set[str]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/get_all_keys", timeout=10) as r:
-            return {k for k in r.read().decode().split() if k}
-
-    def client(self):
-        """The store's own client (no segment of its own), as a test or an operator uses it."""
-        from mooncake.store import MooncakeDistributedStore
-
-        store = MooncakeDistributedStore()
-        rc = store.setup("127.0.0.1", f"http://127.0.0.1:{self.http}/metadata", 0, 16 << 20, "tcp", "",
-                         f"127.0.0.1:{self.rpc}")
-        assert rc == 0, rc
-        return store
-
-    def stop(self) -> None:
-        _kill_group(self.proc)
-        self.log.close()
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=20)
-    else:
-        try:  # children an engine may leave behind
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+# The master and its client live in the demo's store mode (make demo DEMO_ARGS="--mode store").
+if str(ROOT / "scripts") not in sys.path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+from kvcs_demo.store import Master, kill_group  # noqa: E402
 
 
 class Engine:
@@ -166,7 +96,7 @@ class Engine:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 pass
-        _kill_group(self.proc)
+        kill_group(self.proc)
 
 
 def _prompt(seed: int, blocks: int = 4) -> list[int]:
@@ -229,8 +159,10 @@ def test_corrupted_store_value_is_caught_removed_and_recomputed(master, tmp_path
         assert "KV checksums of request" in log and "verified" in log
         assert "Removing 1 Mooncake store blocks of request" in log, log[-4000:]
         assert "removed 1 keys of 1 blocks that failed their KV checksums" in log, log[-4000:]
-        # The corrupted key is gone, the others stay.
+        # The corrupted key is gone, the others stay (asked of the store's client and its master).
         _wait_for(lambda: victim not in master.keys(), "the corrupted key to be removed")
+        assert store.is_exist(victim) == 0
         assert master.keys() == keys - {victim}
+        assert all(store.is_exist(k) == 1 for k in keys - {victim})
     finally:
         a.close()
