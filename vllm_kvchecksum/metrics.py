@@ -22,8 +22,10 @@ KVChecksumProm.observe, which adds them to these counters on /metrics:
       the same verdicts for KV loaded back from offloading (checked against
       the checksums stored with it, offload.py), kept apart from P/D loads
   vllm:kv_checksum_offloaded_loads_not_checked_total{reason}
-      loads from offloading not checked: synchronous loads ("sync_load"),
-      or a tier the connector stores no checksums for ("tier_not_covered")
+      loads from offloading not checked: synchronous loads with several KV
+      cache groups ("sync_load"), a tier the connector stores no checksums
+      for ("tier_not_covered"), or groups the workers keep no entries for
+      ("no_groups")
 
 A mismatch is only ever counted as mismatched: a cache miss is no load at all
 (vLLM's external prefix cache counters), and a connector failure is
@@ -57,7 +59,7 @@ OFFLOADED_NOT_CHECKED = "offloaded_loads_not_checked"
 # outside the process.
 NOT_COMPARED_REASONS = ("load_failed", "request_ended")
 NOT_SENT_REASONS = ("sum_failed", "not_carried")
-OFFLOADED_NOT_CHECKED_REASONS = ("sync_load", "tier_not_covered")
+OFFLOADED_NOT_CHECKED_REASONS = ("sync_load", "tier_not_covered", "no_groups")
 
 # name -> (documentation, label name or None, known label values).
 COUNTERS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {

@@ -127,18 +127,23 @@ def _compare_group(by_worker: Mapping, req_id: str, group_id: int, start: int, n
         return GroupVerdict(group_id, CheckStatus.UNVERIFIED, reason_key=UnverifiedReason.NO_BLOCK_HASHES,
                             reason=f"the request has {len(hashes)} block hashes for {num_blocks} loaded blocks")
     bad = np.zeros(num_blocks, dtype=bool)
+    compared = 0
     for worker, record in sorted(by_worker.items()):
         group = record.requests[req_id].get(group_id)
         stored = record.stored.get(req_id, {}).get(group_id)
         if group is None or not group.partials:
             # A worker holding none of the group's layers (a PP stage).
             continue
+        compared += 1
         if stored is None or np.shape(stored) != (num_blocks,):
             return GroupVerdict(group_id, CheckStatus.UNVERIFIED, reason_key=UnverifiedReason.MALFORMED_RECORD,
                                 reason=f"worker {_worker_name(worker)} reported no stored checksums "
                                        f"for {num_blocks} blocks")
         expected = _as_uint64(stored) ^ block_checksum_tags(hashes, record.fingerprints.get(group_id, 0))
         bad |= _worker_block_values(group.partials) != expected
+    if not compared:
+        return GroupVerdict(group_id, CheckStatus.UNVERIFIED, reason_key=UnverifiedReason.MALFORMED_RECORD,
+                            reason="no worker reported values of the group")
     positions = tuple(start + int(i) for i in np.flatnonzero(bad))
     if positions:
         return GroupVerdict(group_id, CheckStatus.MISMATCH, mismatched_blocks=positions, compared_blocks=num_blocks)

@@ -75,9 +75,30 @@ def create_kv_checksum_worker(vllm_config: VllmConfig, kv_cache_config: KVCacheC
     return worker
 
 
+# checksum_step's `loaded` when the caller did not checksum the step's
+# synchronous loads itself.
+_NOT_YET = object()
+
+
+def checksum_loaded(worker: KVChecksumWorker | None,
+                    scheduled: KVChecksumScheduled | None) -> KVChecksumOutput | None:
+    """Queue the checksums of the step's synchronous loads of offloaded KV.
+
+    Call after the forward and BEFORE the connector's wait_for_save: a save
+    in the same step may refill the entries of blocks a synchronous load
+    wrote (another request can hit them in the prefix cache at once), and
+    the entries must be read as the load left them. Pass the result to
+    checksum_step as `loaded`.
+    """
+    if worker is None or scheduled is None or not scheduled.reqs_loaded:
+        return None
+    return worker.compute(scheduled.reqs_loaded, replica_zero_only=False)
+
+
 def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumScheduled | None,
                   finished_recving: set[str] | None, *, sends: bool = True,
-                  recvs: bool = True, received: dict[str, bytes] | None = None) -> KVChecksumOutput | None:
+                  recvs: bool = True, received: dict[str, bytes] | None = None,
+                  loaded=_NOT_YET) -> KVChecksumOutput | None:
     """Queue this step's checksums; call after the step's forward, once per
     scheduler output, in order (scheduled may be None: nothing new).
 
@@ -89,6 +110,9 @@ def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumSchedule
       the same scheduler output, so its loads are not added again.
     received: the checksums this worker's connector delivered with its loads
       (KVConnectorTransferResults.kv_checksums; connector-owned carriers).
+    loaded: what checksum_loaded returned for this step, when the caller ran
+      it before wait_for_save (the model runners do); by default the step's
+      synchronous loads are checksummed here.
     """
     if worker is None:
         return None
@@ -96,25 +120,24 @@ def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumSchedule
     if sends and scheduled is not None and scheduled.reqs_to_send:
         outputs.append(worker.compute(scheduled.reqs_to_send, replica_zero_only=True))
     if recvs:
-        outputs.append(_step_loads(worker, scheduled, finished_recving, received))
+        if loaded is _NOT_YET:
+            loaded = checksum_loaded(worker, scheduled)
+        outputs.append(_step_loads(worker, scheduled, finished_recving, received, loaded))
     return KVChecksumOutput.aggregate(outputs)
 
 
 def _step_loads(worker: KVChecksumWorker, scheduled: KVChecksumScheduled | None,
-                finished_recving: set[str] | None, received: dict[str, bytes] | None) -> KVChecksumOutput | None:
+                finished_recving: set[str] | None, received: dict[str, bytes] | None,
+                loaded_now: KVChecksumOutput | None) -> KVChecksumOutput | None:
     """Forget, then add, then checksum the finished loads.
 
     Forget before add: a request id in both had its old load dropped by the
     scheduler before its new one started. Add before checksumming: a load
     can finish in the step it starts.
     """
-    loaded_now = None
     if scheduled is not None:
         worker.forget_loads(scheduled.reqs_to_forget)
         worker.expect_loads(scheduled.reqs_to_recv)
-        if scheduled.reqs_loaded:
-            # Synchronous loads: the connector wrote them before this step's forward.
-            loaded_now = worker.compute(scheduled.reqs_loaded, replica_zero_only=False)
     if not finished_recving and not received:
         return loaded_now
     return KVChecksumOutput.aggregate([loaded_now, worker.compute_finished_loads(finished_recving or (), received)])

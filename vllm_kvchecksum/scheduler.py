@@ -343,9 +343,13 @@ class KVChecksumScheduler:
             self._sync[request.request_id] = pending
             self._step.reqs_loaded[request.request_id] = pending.blocks
 
-    def verify_sync_loads(self) -> tuple[set[int], dict[str, str]]:
-        """Compare the synchronous loads of this step (their records came with it).
+    def verify_sync_loads(self, scheduled: KVChecksumScheduled | None) -> tuple[set[int], dict[str, str]]:
+        """Compare the synchronous loads of the step whose output this is.
 
+        scheduled: that step's checksum requests (its SchedulerOutput's
+        kv_checksum_scheduled); its reqs_loaded are the loads whose records
+        came with the output. With a batch queue (async scheduling, PP) the
+        next step may already be scheduled: its loads wait for their own.
         Returns the block ids to report invalid (vLLM then drops the step's
         outputs of the requests using them and recomputes or fails them, by
         kv_load_failure_policy) and, per failed request, the reason for the
@@ -353,10 +357,12 @@ class KVChecksumScheduler:
         """
         invalid: set[int] = set()
         reasons: dict[str, str] = {}
-        sync, self._sync = self._sync, {}
-        for rid, pending in sync.items():
+        for rid in (scheduled.reqs_loaded if scheduled is not None else ()):
+            pending = self._sync.pop(rid, None)
+            if pending is None:
+                continue  # the request ended meanwhile
             verdict = self._judge(rid, pending)
-            if verdict.status is CheckStatus.VERIFIED or not self.fail_closed:
+            if verdict is None or verdict.status is CheckStatus.VERIFIED or not self.fail_closed:
                 continue
             reasons[rid] = client_reason(verdict)
             for gid, blocks in pending.blocks.groups.items():
@@ -516,15 +522,22 @@ class KVChecksumScheduler:
             if pending is None:
                 continue
             verdict = self._judge(rid, pending)
+            if verdict is None:
+                continue
             self._note_groups_left_out(rid, pending)
             self._note_tp_left_out(verdict)
             if verdict.status is not CheckStatus.VERIFIED and self.fail_closed:
                 failed[rid] = client_reason(verdict)
         return failed
 
-    def _judge(self, rid: str, pending: _Pending) -> LoadVerdict:
+    def _judge(self, rid: str, pending: _Pending) -> LoadVerdict | None:
         """Compare one finished load, count and log its verdict, and let the
-        connector drop offloaded KV that failed."""
+        connector drop offloaded KV that failed.
+
+        None: an offloaded load none of whose groups the workers keep entries
+        for (fixed at startup): not checked, and never failed, since every
+        load like it would fail (and, retried, load the same blocks again).
+        """
         try:
             if pending.blocks.offloaded:
                 verdict = compare_offloaded(
@@ -547,28 +560,45 @@ class KVChecksumScheduler:
                                   reason_key=UnverifiedReason.COMPARISON_ERROR,
                                   reason=f"comparing raised {type(exc).__name__}: {exc}",
                                   source=OFFLOADED_SOURCE if pending.blocks.offloaded else "producer")
+        if pending.blocks.offloaded and verdict.reason_key is UnverifiedReason.NO_GROUPS:
+            self._metrics[metrics.labelled(metrics.OFFLOADED_NOT_CHECKED, "no_groups")] += 1
+            if "offloaded_no_groups" not in self._warned:
+                self._warned.add("offloaded_no_groups")
+                logger.warning("KV checksums: loads of offloaded KV (e.g. request %r) are not checked: the workers "
+                               "keep no checksum entries for the loaded KV cache groups (see the workers' startup "
+                               "log for why). Logged once.", rid)
+            return None
         self.stats[verdict.status.value] += 1
         if pending.blocks.offloaded:
             self.stats[f"offloaded_{verdict.status.value}"] += 1
         self._count(verdict)
         self._log(verdict)
-        if pending.blocks.offloaded and verdict.status is CheckStatus.MISMATCH:
-            self._offloaded_failed(pending.request, verdict)
+        if pending.blocks.offloaded and verdict.status is not CheckStatus.VERIFIED:
+            self._offloaded_failed(pending, verdict)
         return verdict
 
-    def _offloaded_failed(self, request, verdict: LoadVerdict) -> None:
+    def _offloaded_failed(self, pending: _Pending, verdict: LoadVerdict) -> None:
         """Let the connector drop the offloaded KV that failed its check.
 
-        Under either policy: the stored value is bad, so a retry or another
-        request with the same prefix must not load it again. Whatever the
-        connector raises is logged, never passed on into the engine loop.
+        A mismatch, under either policy: the stored value is bad, so a retry
+        or another request with the same prefix must not load it again. An
+        unverified load under fail-closed: its blocks cannot be trusted and
+        are not used, so they are dropped too (every loaded position);
+        otherwise the retry would load them again and fail again.
         """
+        if verdict.status is CheckStatus.MISMATCH:
+            bad = verdict.mismatched_blocks
+        elif self.fail_closed:
+            bad = {g: tuple(range(b.start, b.start + len(b.block_ids))) for g, b in pending.blocks.groups.items()}
+        else:
+            return
+        request = pending.request
         try:
-            self.connector.on_kv_checksum_failure(request, verdict.mismatched_blocks)
+            self.connector.on_kv_checksum_failure(request, bad)
         except Exception:
             logger.exception("KV checksums: %s.on_kv_checksum_failure raised for request %s (group -> block "
                              "positions %s); the offloaded KV that failed may be loaded again.",
-                             type(self.connector).__name__, verdict.req_id, verdict.mismatched_blocks)
+                             type(self.connector).__name__, verdict.req_id, bad)
 
     def _count(self, verdict: LoadVerdict) -> None:
         prefix = metrics.OFFLOADED if verdict.source == OFFLOADED_SOURCE else ""

@@ -62,6 +62,7 @@ fails; every process it started (master included) is stopped on exit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -425,6 +426,8 @@ def judge_phase(ph: StorePhase, blocks: int = BLOCKS) -> StorePhase:
             problems.append(f"reported positions {ph.reported}, injected {{0: {want}}}")
         if ph.removal_logged != want:
             problems.append(f"removal logged for positions {ph.removal_logged}, expected {want}")
+        if ph.keys_removed_logged != len(want):  # by B's own worker rank 0, in B's log
+            problems.append(f"B's worker logged {ph.keys_removed_logged} keys removed, expected {len(want)}")
         if ph.keys_removed != want:
             problems.append(f"keys gone from the store at positions {ph.keys_removed}, expected {want}")
     if ph.other_keys_removed:
@@ -477,9 +480,19 @@ class StoreServer:
         return f"http://127.0.0.1:{self.port}"
 
 
-def store_kv_config(role: str, checksums: bool) -> dict:
-    """The --kv-transfer-config of a store server (A: kv_both, B: kv_consumer)."""
-    config: dict = {"kv_connector": "MooncakeStoreConnector", "kv_role": role}
+def store_kv_config(role: str, checksums: bool, lookup_rpc_port: int) -> dict:
+    """The --kv-transfer-config of a store server (A: kv_both, B: kv_consumer).
+
+    lookup_rpc_port: a number of the server's own. The connector's scheduler
+    reaches worker rank 0 (lookups, and the removal of blocks that failed
+    their checksums) over a ZMQ IPC socket whose path is made of
+    VLLM_RPC_BASE_PATH, the host name, the DP rank and this number (0 by
+    default): servers on one host with the same number share one path, the
+    last one started takes it over, and one server's scheduler then asks
+    another server's worker.
+    """
+    config: dict = {"kv_connector": "MooncakeStoreConnector", "kv_role": role,
+                    "kv_connector_extra_config": {"lookup_rpc_port": lookup_rpc_port}}
     if checksums:
         config["enable_kv_checksum"] = True
     if role == "kv_consumer":
@@ -493,7 +506,7 @@ def server_spec(server: StoreServer, model: Path, work: Path, python: str, maste
     from kvcs_demo.setups import Setup, server_argv, server_env
 
     server.port = free_port_block(1)
-    server.kv_config = store_kv_config(server.role, server.checksums)
+    server.kv_config = store_kv_config(server.role, server.checksums, server.port)
     server.log_path = work / f"store.{server.name}.log"
     setup = Setup(f"store-{server.name}", model, policy="recompute", checksums=server.checksums, faults=False,
                   mode="mooncake")
@@ -527,6 +540,26 @@ def _wait(predicate, what: str, timeout: float):
         time.sleep(0.1)
 
 
+@contextlib.contextmanager
+def stderr_to(path: Path | None):
+    """File descriptor 2 into `path` meanwhile (None: unchanged): the store
+    client's C++ logging (glog, which writes to stderr and ignores GLOG_*
+    variables here) goes to a log file instead of the demo's output."""
+    if path is None:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _log_size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -541,8 +574,9 @@ def _log_since(path: Path, offset: int) -> str:
 
 
 class Demo:
-    def __init__(self, master: Master, a: StoreServer, b: StoreServer, client, http):
+    def __init__(self, master: Master, a: StoreServer, b: StoreServer, client, http, client_log: Path | None = None):
         self.master, self.a, self.b, self.store, self.http = master, a, b, client, http
+        self.client_log = client_log  # where the store client's own logging goes
         self.stored: dict[str, list[str]] = {}  # phase -> its keys by position
 
     def completion(self, url: str, tokens: list[int], max_tokens: int, request_id: str) -> tuple[int, dict]:
@@ -562,6 +596,20 @@ class Demo:
             snapshots.append(in_namespace(self.master.keys(), server.checksums))
         return keys_in_order(snapshots)
 
+    def inject(self, phase: str, keys: list[str]) -> FaultPlan:
+        """The fault, through the store's client: get the values, upsert the changed ones."""
+        values = {k: bytes(self.store.get(k)) for k in keys}
+        donor_keys = self.stored.get("clean", [])
+        donor = {p: (k, bytes(self.store.get(k))) for p, k in enumerate(donor_keys)}
+        plan = plan_fault(phase, keys, values, donor)
+        for key, data in plan.writes.items():
+            rc = self.store.upsert(key, data)
+            if rc != 0:
+                raise RuntimeError(f"{phase}: upsert of {key} returned {rc}")
+            if bytes(self.store.get(key)) != data:
+                raise RuntimeError(f"{phase}: {key} does not read back as written")
+        return plan
+
     def run_phase(self, phase: str) -> StorePhase:
         from kvcs_demo.demo import text_of
 
@@ -580,16 +628,8 @@ class Demo:
             raise RuntimeError(f"{phase}: A's reference request changed the store's keys")
         if phase != "clean":
             ph.expected = "mismatch"
-            values = {k: bytes(self.store.get(k)) for k in keys}
-            donor_keys = self.stored.get("clean", [])
-            donor = {p: (k, bytes(self.store.get(k))) for p, k in enumerate(donor_keys)}
-            plan = plan_fault(phase, keys, values, donor)
-            for key, data in plan.writes.items():
-                rc = self.store.upsert(key, data)
-                if rc != 0:
-                    raise RuntimeError(f"{phase}: upsert of {key} returned {rc}")
-                if bytes(self.store.get(key)) != data:
-                    raise RuntimeError(f"{phase}: {key} does not read back as written")
+            with stderr_to(self.client_log):
+                plan = self.inject(phase, keys)
             ph.expected_positions = plan.positions
             ph.fault = {"kind": phase, "positions": plan.positions,
                         "keys": [keys[p] for p in plan.positions], **plan.detail}
@@ -675,8 +715,8 @@ def measure_ttft(master: Master, pairs: dict[str, tuple[StoreServer, StoreServer
 
 def startup_lines(path: Path | None) -> list[str]:
     text = path.read_text(errors="replace") if path is not None and path.exists() else ""
-    return [ln.split("] ", 1)[-1] for ln in text.splitlines() if "KV checksums" in ln
-            and ("enabled" in ln or "Mooncake store" in ln or "NOT checked" in ln)]
+    return [msg for msg in (ln.split("] ", 1)[-1] for ln in text.splitlines()) if msg.startswith("KV checksums")
+            and ("enabled" in msg or "Mooncake store" in msg)]
 
 
 def build_report(args, model: Path, phases: list[StorePhase], ttft: dict | None, servers: dict, groups: dict,
@@ -775,9 +815,11 @@ def run(args) -> int:
                 for name in ("A_off", "B_off"):
                     servers[name].managed = group.start(specs[name])
                     groups[specs[name].name] = servers[name].managed.pgid
-            client = master.client()
+            client_log = work / "store.client.log"
+            with stderr_to(client_log):
+                client = master.client()
             with httpx.Client(trust_env=False) as http:
-                demo = Demo(master, servers["A"], servers["B"], client, http)
+                demo = Demo(master, servers["A"], servers["B"], client, http, client_log)
                 for phase in ["clean", *args.kinds]:
                     ph = demo.run_phase(phase)
                     phases.append(ph)
@@ -798,7 +840,8 @@ def run(args) -> int:
         finally:
             if client is not None:
                 try:
-                    client.close()
+                    with stderr_to(work / "store.client.log"):
+                        client.close()
                 except Exception:
                     pass
     report = build_report(args, model, phases, ttft, servers, groups, errors, time.monotonic() - t0)

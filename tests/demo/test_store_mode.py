@@ -10,6 +10,7 @@ store client runs here (tests/e2e/test_store_demo.py runs them).
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -240,6 +241,7 @@ def test_judge_passes_what_went_right():
     ({"keys_removed": []}, "keys gone from the store at positions []"),
     ({"other_keys_removed": 1}, "1 keys of other prompts vanished"),
     ({"metrics": {"offloaded_loads_mismatched": 1, "offloaded_mismatched_blocks": 1}}, "1 mismatched blocks"),
+    ({"keys_removed_logged": 0}, "B's worker logged 0 keys removed, expected 2"),
     ({"metrics": {"offloaded_loads_mismatched": 1, "offloaded_mismatched_blocks": 2,
                   "offloaded_loads_unverified/r": 1}}, "unverified or not checked"),
 ])
@@ -285,7 +287,8 @@ def test_report_passes_only_when_every_phase_ran_and_passed(capsys):
     phases = [judge_phase(good_clean()), *(judge_phase(good_fault(k)) for k in STORE_FAULTS)]
     report = build_report(_args(), Path("/m"), phases, None, servers, {"A": 5}, [], 12.0)
     assert report["ok"] and report["failures"] == [] and report["mode"] == "store"
-    assert report["phases"][1]["reported"] == {"0": [0, 2]}
+    assert report["phases"][1]["reported"] == {"0": [1]}  # flip_bit
+    assert report["phases"][3]["reported"] == {"0": [0, 2]}  # swap_values
     print_table(report)
     out = capsys.readouterr().out
     assert "swap_values" in out and "every check passed" in out
@@ -303,15 +306,18 @@ def test_report_passes_only_when_every_phase_ran_and_passed(capsys):
 # ----------------------------------------------------------------- servers and arguments
 
 def test_store_kv_configs():
-    assert store_kv_config("kv_both", True) == {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-                                                "enable_kv_checksum": True}
-    assert store_kv_config("kv_consumer", True) == {
-        "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_consumer", "enable_kv_checksum": True,
+    extra = {"kv_connector_extra_config": {"lookup_rpc_port": 7}}
+    assert store_kv_config("kv_both", True, 7) == {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                                                   **extra, "enable_kv_checksum": True}
+    assert store_kv_config("kv_consumer", True, 7) == {
+        "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_consumer", **extra, "enable_kv_checksum": True,
         "kv_checksum_fail_closed": True, "kv_load_failure_policy": "recompute"}
     # The baseline pair differs by the checksums alone.
-    assert store_kv_config("kv_consumer", False) == {"kv_connector": "MooncakeStoreConnector",
-                                                     "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
-    assert store_kv_config("kv_both", False) == {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+    assert store_kv_config("kv_consumer", False, 7) == {
+        "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_consumer", **extra,
+        "kv_load_failure_policy": "recompute"}
+    assert store_kv_config("kv_both", False, 7) == {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                                                    **extra}
 
 
 def test_server_spec_uses_the_demo_cpu_settings(tmp_path):
@@ -321,8 +327,13 @@ def test_server_spec_uses_the_demo_cpu_settings(tmp_path):
     assert argv[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--block-size") + 1] == "32" and argv[argv.index("--model") + 1] == "/models/tiny"
     assert argv[argv.index("--kv-transfer-config") + 1] == \
-        '{"kv_connector":"MooncakeStoreConnector","kv_role":"kv_consumer","enable_kv_checksum":true,' \
-        '"kv_checksum_fail_closed":true,"kv_load_failure_policy":"recompute"}'
+        '{"kv_connector":"MooncakeStoreConnector","kv_role":"kv_consumer","kv_connector_extra_config":' \
+        f'{{"lookup_rpc_port":{spec.port}}},"enable_kv_checksum":true,"kv_checksum_fail_closed":true,' \
+        '"kv_load_failure_policy":"recompute"}'
+    # Each server's scheduler reaches its own worker: lookup sockets of their own.
+    other = store.server_spec(StoreServer("A", "kv_both", True), Path("/m"), tmp_path, "/py", tmp_path / "mc.json")
+    assert json.loads(other.argv[other.argv.index("--kv-transfer-config") + 1])[
+        "kv_connector_extra_config"]["lookup_rpc_port"] == other.port != spec.port
     assert spec.env["MOONCAKE_CONFIG_PATH"] == str(tmp_path / "mc.json")
     assert spec.env["VLLM_HOST_IP"] == "127.0.0.1" and spec.env["OMP_NUM_THREADS"] == "1"
     assert spec.log_path == tmp_path / "store.B.log" and s.url == f"http://127.0.0.1:{spec.port}"
@@ -349,3 +360,18 @@ def test_main_dispatches_store_mode(monkeypatch):
     seen = []
     monkeypatch.setattr(store, "run", lambda args: seen.append(args.mode) or 7)
     assert demo.main(["--mode", "store", "--ttft-requests", "0"]) == 7 and seen == ["store"]
+
+
+def test_startup_lines_keep_the_checksum_lines_only(tmp_path):
+    path = tmp_path / "b.log"
+    path.write_text(
+        "(EngineCore pid=1) INFO 12-03 [kv_checksums.py:107] KV checksums: every block stored in the Mooncake store "
+        "carries its checksum (key namespace '@kv_checksums'), and every load from the store is checked.\n"
+        "(Worker pid=2) INFO 12-03 [worker.py:74] KV checksums enabled on PP stage 0: groups [0] checksummed\n"
+        "(EngineCore pid=1) WARNING 12-03 [scheduler.py:223] Removing 1 Mooncake store blocks of request r that "
+        "failed their KV checksums (block positions [1]).\n"
+        "(Worker pid=2) INFO 12-03 [worker.py:2198] Mooncake store: removed 1 keys of 1 blocks that failed their "
+        "KV checksums.\n")
+    lines = store.startup_lines(path)
+    assert len(lines) == 2 and lines[0].startswith("KV checksums: every block") and "PP stage 0" in lines[1]
+    assert store.startup_lines(tmp_path / "missing.log") == [] and store.startup_lines(None) == []

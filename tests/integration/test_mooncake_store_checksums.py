@@ -102,3 +102,24 @@ def test_saves_fill_each_position_once_per_block_it_holds():
     runs.forget({"r"})
     assert runs.runs("r", ([10], [20]), hashes, 16) == [BlockChecksumRun(0, 0, [10], hashes[:1]),
                                                        BlockChecksumRun(2, 0, [20], hashes[:1])]
+
+
+def test_the_store_worker_forgets_finished_and_preempted_requests_fills():
+    """A preempted request may get a block id it had before, whose entry
+    another request refilled since: its next save fills again from 0."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import MooncakeStoreWorker
+
+    worker = object.__new__(MooncakeStoreWorker)  # only what get_finished reads
+    worker._capacity_only, worker.can_put, worker.load_async, worker.tp_rank = False, False, False, 0
+    worker._kv_checksum_runs = kv_checksums.SaveRuns([0], block_size=16)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    for req in ("preempted", "finished", "running"):
+        worker._kv_checksum_runs.runs(req, ([1, 2],), hashes, 32)
+    worker.get_finished({"finished"}, SimpleNamespace(preempted_req_ids={"preempted"}))
+    assert worker._kv_checksum_runs.runs("preempted", ([1, 2],), hashes, 32) == [
+        BlockChecksumRun(0, 0, [1, 2], hashes[:2])]
+    assert worker._kv_checksum_runs.runs("finished", ([1, 2],), hashes, 32) == [
+        BlockChecksumRun(0, 0, [1, 2], hashes[:2])]
+    assert worker._kv_checksum_runs.runs("running", ([1, 2],), hashes, 32) == []

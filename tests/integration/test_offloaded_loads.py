@@ -15,8 +15,10 @@ import torch
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from offload_harness import (STORE, host_connector, load_prompt, load_prompt_sync, make_offload_side, perform_loads,
                              store_prompt)
-from pd_harness import forward_of, make_config, prompt_of, stats
+from pd_harness import ReportingConnector, forward_of, make_config, make_request, prompt_of, runner_step, stats
 from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from vllm_kvchecksum.offload import BlockChecksumRun
 
 BS = 16
 PROMPT = BS * 5 + 3  # 5 full blocks, then 3 tokens computed locally
@@ -285,3 +287,88 @@ def test_sync_loads_with_several_groups_are_not_checked_and_say_so(logs):
     assert stats(B) == {}
     assert dict(B.reported_metrics) == {"offloaded_loads_not_checked/sync_load": 1}
     assert "synchronous loads of offloaded KV" in logs.text and "not checked with 2 KV cache groups" in logs.text
+
+
+def test_sync_load_is_judged_with_its_own_steps_output(logs):
+    """With a batch queue (async scheduling, PP) the next step is scheduled
+    before this step's update: its synchronous load waits for its own
+    step's records instead of being judged (unverified) early."""
+    A, B = make_offload_side(), make_offload_side(fail_closed=True, policy="recompute")
+    prompt = prompt_of(PROMPT)
+    store_prompt(A, prompt)
+    host_connector(B).load_async = False
+    other = make_request(prompt_of(40, seed=4), block_size=BS, max_tokens=4)
+    B.scheduler.add_request(other)
+    out_n = B.scheduler.schedule()
+    forward_of(B, other)(out_n)
+    req = make_request(prompt, block_size=BS, max_tokens=2)
+    B.scheduler.add_request(req)
+    out_next = B.scheduler.schedule()  # step N+1, before step N's update
+    assert req.request_id in out_next.kv_checksum_scheduled.reqs_loaded
+    perform_loads(B)
+    forward_of(B, req)(out_next)
+    B.update(out_n, B.run_workers(out_n))
+    assert stats(B) == {} and req.num_computed_tokens == PROMPT  # not judged, not rolled back
+    B.update(out_next, B.run_workers(out_next))
+    assert stats(B) == {"verified": 1, "offloaded_verified": 1}, logs.text
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_sync_load_is_checksummed_before_a_save_can_refill_its_entries(runner, logs):
+    """A second request of the same step hits the synchronously loaded blocks
+    in the prefix cache and saves them (refilling their entries from the
+    loaded, corrupt KV) in wait_for_save: the model runners checksum the
+    load, entries included, before that, so the corruption is still found."""
+    A, B = make_offload_side(), make_offload_side(fail_closed=True, policy="recompute")
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 2)
+    host_connector(B).load_async = False
+    r1 = make_request(prompt, block_size=BS, max_tokens=2)
+    r2 = make_request(prompt + [5, 6, 7], block_size=BS, max_tokens=2)
+    B.scheduler.add_request(r1)
+    B.scheduler.add_request(r2)
+    worker = B.workers[0]
+    connector = ReportingConnector(B.scheduler.vllm_config, B.scheduler.kv_cache_config)
+    connector.start_load_kv = lambda forward_context, **kw: perform_loads(B)
+
+    def save_r2():  # what a store connector's wait_for_save does for r2's first save
+        ids = B.scheduler.kv_cache_manager.get_block_ids(r2.request_id)[0][:FULL]
+        assert ids == B.scheduler.kv_cache_manager.get_block_ids(r1.request_id)[0][:FULL]
+        worker.checksums.save_block_checksums([BlockChecksumRun(0, 0, ids, r2.block_hashes[:FULL])])
+
+    connector.wait_for_save = save_r2
+    runner_step(B, runner, connector=connector)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    assert host_connector(B).failures == [(r1.request_id, {0: (2,)})]
+
+
+def test_loads_of_groups_without_entries_are_not_checked_nor_failed(logs):
+    """Workers that keep no entries for the loaded groups (e.g. the planner
+    skipped them) leave the load unchecked, counted and logged once; failing
+    it would fail every load, and a retry would load the same blocks."""
+    A = make_offload_side()
+    B = make_offload_side(fail_closed=True, policy="recompute", covered=())
+    prompt = prompt_of(PROMPT)
+    store_prompt(A, prompt)
+    result = load_prompt(B, prompt)
+    assert stats(B) == {} and result.failures == []
+    assert result.next_scheduled == PROMPT - FULL * BS  # used, not retried
+    assert dict(B.reported_metrics) == {"offloaded_loads_not_checked/no_groups": 1}
+    assert "keep no checksum entries for the loaded KV cache groups" in logs.text
+
+
+def test_unverified_offloaded_load_fail_closed_drops_its_blocks(logs):
+    """Rank 1 keeps no entries of group 0 while rank 0 does: the load is
+    unverified. Under fail-closed its blocks are dropped from the store too,
+    so the retry computes them instead of loading them again."""
+    A = make_offload_side(tp=2)
+    B = make_offload_side(tp=2, fail_closed=True, policy="recompute")
+    B.workers[1].checksums.offload_groups = frozenset()
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    result = load_prompt(B, prompt)
+    assert stats(B) == {"unverified": 1, "offloaded_unverified": 1}, logs.text
+    assert result.failures == [(result.request.request_id, {0: tuple(range(FULL))})]
+    assert not any(h in STORE for h in hashes)
+    assert result.next_scheduled == PROMPT  # recomputed: nothing left to load
