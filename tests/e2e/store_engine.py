@@ -25,8 +25,11 @@ def main() -> None:
 
     role = sys.argv[1]
     model = os.environ["KVCS_STORE_MODEL"]
+    # lookup_rpc_port: the scheduler reaches worker rank 0 over an IPC socket
+    # whose path only this number tells apart between instances on one host.
     kv = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role=role, enable_kv_checksum=True,
-                          kv_checksum_fail_closed=True, kv_load_failure_policy="recompute")
+                          kv_checksum_fail_closed=True, kv_load_failure_policy="recompute",
+                          kv_connector_extra_config={"lookup_rpc_port": int(os.environ["KVCS_LOOKUP_RPC_PORT"])})
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, block_size=32, max_model_len=512,
               kv_cache_memory_bytes=64 * 2**20, seed=0, enable_prefix_caching=True, kv_transfer_config=kv)
     params = SamplingParams(max_tokens=6, temperature=0)

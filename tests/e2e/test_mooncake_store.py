@@ -45,8 +45,9 @@ from kvcs_demo.store import Master, kill_group  # noqa: E402
 class Engine:
     """A store_engine.py subprocess; `lines` is everything it printed."""
 
-    def __init__(self, role: str, master: Master, tmp: Path):
+    def __init__(self, role: str, master: Master, tmp: Path, lookup_rpc_port: int):
         env = dict(os.environ, MOONCAKE_CONFIG_PATH=str(master.config), KVCS_STORE_MODEL=str(MODEL),
+                   KVCS_LOOKUP_RPC_PORT=str(lookup_rpc_port),
                    VLLM_HOST_IP="127.0.0.1", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
                    VLLM_TARGET_DEVICE="cpu", HF_HOME=str(ROOT / "build" / "hf-home"), HF_HUB_OFFLINE="1",
                    VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
@@ -124,7 +125,8 @@ def master(tmp_path):
 
 def test_corrupted_store_value_is_caught_removed_and_recomputed(master, tmp_path):
     bad_prompt, clean_prompt = _prompt(1), _prompt(2)
-    a = Engine("kv_both", master, tmp_path)
+    # Each instance its own lookup_rpc_port (see store_engine.py).
+    a = Engine("kv_both", master, tmp_path, lookup_rpc_port=master.http)
     try:
         first = a.generate([bad_prompt])
         _wait_for(lambda: len(master.keys()) == 4, "A's 4 blocks of the first prompt in the store")
@@ -144,7 +146,7 @@ def test_corrupted_store_value_is_caught_removed_and_recomputed(master, tmp_path
         assert store.upsert(victim, bytes(value)) == 0
         assert bytes(store.get(victim)) == bytes(value)
 
-        b = Engine("kv_consumer", master, tmp_path)
+        b = Engine("kv_consumer", master, tmp_path, lookup_rpc_port=master.metrics)
         try:
             result = b.generate([bad_prompt, clean_prompt])
         finally:
@@ -159,6 +161,8 @@ def test_corrupted_store_value_is_caught_removed_and_recomputed(master, tmp_path
         assert "KV checksums of request" in log and "verified" in log
         assert "Removing 1 Mooncake store blocks of request" in log, log[-4000:]
         assert "removed 1 keys of 1 blocks that failed their KV checksums" in log, log[-4000:]
+        # B's own worker removed them (not A's: each has its own lookup channel).
+        assert "removed" not in "\n".join(l for l in a.log().splitlines() if "KV checksums" in l)
         # The corrupted key is gone, the others stay (asked of the store's client and its master).
         _wait_for(lambda: victim not in master.keys(), "the corrupted key to be removed")
         assert store.is_exist(victim) == 0
