@@ -18,6 +18,15 @@ scheduler decode step of --decode-batch requests measured in the same run:
 
     .venv/bin/python scripts/bench_scheduler.py --in-flight [--load-tokens 32768] [--decode-batch 64]
 
+With --consumer it measures what the consumer's scheduler thread pays per
+load between decode steps: decoding the producer's payload and comparing a
+P/D load (compare_load), and comparing a load of offloaded KV against its
+stored entries (compare_offloaded), for a --tokens load with 1 and 4 groups
+and TP 1 and 8, as ratios to a real scheduler decode step of 256 and of 64
+running requests measured in the same run:
+
+    .venv/bin/python scripts/bench_scheduler.py --consumer [--tokens 131072]
+
 Needs the patched vLLM (make setup) and the offline HF configs; it sets
 HF_HOME to build/hf-home itself.
 """
@@ -216,6 +225,51 @@ def in_flight_table(args) -> None:
               f"{start_bytes / num_loads / 1024:.1f} |")
 
 
+def offloaded_records(num_blocks, groups, tp, rng):
+    """Worker records of an intact offloaded load, with their stored entries, and the block hashes."""
+    from vllm_kvchecksum.offload import block_checksum_tags
+
+    hashes = [rng.bytes(32) for _ in range(num_blocks)]
+    recs = records(num_blocks, groups, tp, rng)
+    for rec in recs:
+        rec.offload_groups = frozenset(range(groups))
+        rec.stored["r"] = {g: rec.requests["r"][g].partials[(1, 0)] ^ block_checksum_tags(hashes, rec.fingerprints[g])
+                           for g in range(groups)}
+    return recs, hashes
+
+
+def consumer_table(args) -> None:
+    from vllm_kvchecksum.offload import compare_offloaded
+
+    rng = np.random.default_rng(0)
+    num_blocks = args.tokens // BLOCK
+    steps = {batch: decode_step(batch, args.repeat)[0] for batch in (256, 64)}
+    print(f"scheduler decode step: {steps[256] * 1e3:.2f} ms with 256 running requests, {steps[64] * 1e3:.2f} ms "
+          f"with 64 (medians of {args.repeat})\n")
+    print(f"one {args.tokens}-token load ({num_blocks} blocks of {BLOCK} per group):\n")
+    print("| groups | TP | P/D: decode ms | P/D: compare ms | P/D total / 256-step | P/D total / 64-step "
+          "| offloaded: compare ms | offloaded / 256-step | offloaded / 64-step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for groups in (1, 4):
+        for tp in (1, 8):
+            recs = records(num_blocks, groups, tp, rng)
+            scheduled = {g: (0, num_blocks) for g in range(groups)}
+            text = sum_producer(recs, "r", tp, scheduled, args.tokens, tp).payload.encode()
+            t_dec = timed(lambda: KVChecksumPayload.decode(text), args.repeat)
+            payload = KVChecksumPayload.decode(text)
+            cons = {g: (0, num_blocks, BLOCK) for g in range(groups)}
+            assert compare_load(payload, recs, "r", tp, cons, args.tokens).status.value == "verified"
+            t_cmp = timed(lambda: compare_load(payload, recs, "r", tp, cons, args.tokens), args.repeat)
+            off, hashes = offloaded_records(num_blocks, groups, tp, rng)
+            block_hashes = {g: hashes for g in range(groups)}
+            verdict = compare_offloaded(off, "r", tp, scheduled, args.tokens, block_hashes)
+            assert verdict.status.value == "verified", verdict.describe()
+            t_off = timed(lambda: compare_offloaded(off, "r", tp, scheduled, args.tokens, block_hashes), args.repeat)
+            pd = t_dec + t_cmp
+            print(f"| {groups} | {tp} | {t_dec * 1e3:.2f} | {t_cmp * 1e3:.2f} | {pd / steps[256]:.2f} | "
+                  f"{pd / steps[64]:.2f} | {t_off * 1e3:.2f} | {t_off / steps[256]:.2f} | {t_off / steps[64]:.2f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=131072)
@@ -224,9 +278,14 @@ def main() -> int:
                         help="measure the per-step checksum part of SchedulerOutput with loads in flight")
     parser.add_argument("--load-tokens", type=int, default=32768)
     parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--consumer", action="store_true",
+                        help="measure the consumer's per-load cost against decode steps of 256 and 64 requests")
     args = parser.parse_args()
     if args.in_flight:
         in_flight_table(args)
+        return 0
+    if args.consumer:
+        consumer_table(args)
         return 0
     num_blocks = args.tokens // BLOCK
     rng = np.random.default_rng(0)
