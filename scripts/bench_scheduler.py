@@ -150,9 +150,9 @@ def decode_step(batch, repeat):
     """A real scheduler's decode step of `batch` running requests (checksums
     off): median seconds of schedule() + update_from_output(), and the
     pickled bytes and median pickling seconds of its SchedulerOutput."""
-    prompt_len = 512
-    scheduler = new_scheduler(*vllm_setup(4096, batch * (prompt_len + 4 * repeat) // BLOCK + 64, max_num_seqs=batch))
-    reqs = [new_request(f"d{i}", [(j * 7 + i) % 5000 + 3 for j in range(prompt_len)], max_tokens=4 * repeat + 64)
+    prompt_len, max_tokens = 512, 1024  # none finishes while the others prefill
+    scheduler = new_scheduler(*vllm_setup(4096, batch * (prompt_len + max_tokens) // BLOCK + 64, max_num_seqs=batch))
+    reqs = [new_request(f"d{i}", [(j * 7 + i) % 5000 + 3 for j in range(prompt_len)], max_tokens=max_tokens)
             for i in range(batch)]
     for req in reqs:
         scheduler.add_request(req)

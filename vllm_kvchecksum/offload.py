@@ -60,11 +60,31 @@ class BlockChecksumRun:
                              f"and {len(self.block_hashes)} block hashes")
 
 
+def block_hash_words(block_hashes: Sequence[bytes]) -> np.ndarray:
+    """The little-endian uint64 of each hash's first 8 bytes (zero-padded if shorter).
+
+    Vectorized when every hash has one length of at least 8 bytes (vLLM's
+    block hashes do): one join, one reshape, no Python loop per block.
+    """
+    n = len(block_hashes)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    widths = set(map(len, block_hashes))
+    if len(widths) == 1 and (width := widths.pop()) >= 8:
+        rows = np.frombuffer(b"".join(block_hashes), dtype=np.uint8).reshape(n, width)
+        return np.ascontiguousarray(rows[:, :8]).view("<u8").ravel().astype(np.uint64)
+    raw = b"".join(bytes(h[:8]).ljust(8, b"\0") for h in block_hashes)
+    return np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+
+
+def tags_of(hash_words: np.ndarray, fingerprint: int) -> np.ndarray:
+    """The tags of blocks whose block_hash_words are these, in a group with this fingerprint."""
+    return hash_words ^ np.uint64(fingerprint & (2**64 - 1))
+
+
 def block_checksum_tags(block_hashes: Sequence[bytes], fingerprint: int) -> np.ndarray:
     """The tags of blocks with these hashes in a group with this fingerprint (uint64)."""
-    raw = b"".join(bytes(h[:8]).ljust(8, b"\0") for h in block_hashes)
-    tags = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
-    return tags ^ np.uint64(fingerprint & (2**64 - 1))
+    return tags_of(block_hash_words(block_hashes), fingerprint)
 
 
 def _worker_block_values(partials: Mapping) -> np.ndarray:
@@ -128,6 +148,7 @@ def _compare_group(by_worker: Mapping, req_id: str, group_id: int, start: int, n
                             reason=f"the request has {len(hashes)} block hashes for {num_blocks} loaded blocks")
     bad = np.zeros(num_blocks, dtype=bool)
     compared = 0
+    words = block_hash_words(hashes)  # once per group; each worker XORs its own fingerprint
     for worker, record in sorted(by_worker.items()):
         group = record.requests[req_id].get(group_id)
         stored = record.stored.get(req_id, {}).get(group_id)
@@ -139,7 +160,7 @@ def _compare_group(by_worker: Mapping, req_id: str, group_id: int, start: int, n
             return GroupVerdict(group_id, CheckStatus.UNVERIFIED, reason_key=UnverifiedReason.MALFORMED_RECORD,
                                 reason=f"worker {_worker_name(worker)} reported no stored checksums "
                                        f"for {num_blocks} blocks")
-        expected = _as_uint64(stored) ^ block_checksum_tags(hashes, record.fingerprints.get(group_id, 0))
+        expected = _as_uint64(stored) ^ tags_of(words, record.fingerprints.get(group_id, 0))
         bad |= _worker_block_values(group.partials) != expected
     if not compared:
         return GroupVerdict(group_id, CheckStatus.UNVERIFIED, reason_key=UnverifiedReason.MALFORMED_RECORD,
