@@ -622,10 +622,15 @@ def _chunks(side: _BlockValues, chunk_tokens: int, first: int, end: int) -> _Chu
     low = max(first * per_chunk, side.start)
     high = min(end * per_chunk, side.start + side.values.shape[1])
     values = side.values[:, low - side.start:high - side.start]
-    # The chunk of each block; a new chunk begins where it changes.
-    chunk_of_block = (low + np.arange(high - low, dtype=np.int64)) // per_chunk
-    begins = np.flatnonzero(np.diff(chunk_of_block, prepend=first - 1))
-    sums = np.add.reduceat(values, begins, axis=1, dtype=np.uint64)
+    if per_chunk == 1:
+        # A chunk is one block (the side's block size is the larger one):
+        # the values are the sums, no reduction needed.
+        sums = values
+    else:
+        # The chunk of each block; a new chunk begins where it changes.
+        chunk_of_block = (low + np.arange(high - low, dtype=np.int64)) // per_chunk
+        begins = np.flatnonzero(np.diff(chunk_of_block, prepend=first - 1))
+        sums = np.add.reduceat(values, begins, axis=1, dtype=np.uint64)
     index = np.arange(first, end, dtype=np.int64)
     covered_first, covered_end = _covered_chunk_range(side, per_chunk)
     covered = (index >= covered_first) & (index < covered_end)
