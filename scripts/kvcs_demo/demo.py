@@ -42,7 +42,7 @@ from kvcs_demo import prom
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_transfer_config, make_models,
                               mooncake_bootstrap, push_target, server_argv, server_env)
-from kvcs_demo.store import STORE_FAULTS
+from kvcs_demo.store import STORE_FAULTS, expand_positions
 
 FAULT_KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
                "misplace_block", "change_tail", "drop_checksums")
@@ -164,18 +164,6 @@ def positions_from_client_error(message: str) -> dict[int, list[int]]:
             for g, ps in _CLIENT_POSITIONS.findall(message)}
 
 
-def _expand(ranges: str) -> list[int]:
-    out = []
-    for part in ranges.split(","):
-        part = part.strip()
-        if "-" in part:
-            lo, hi = part.split("-")
-            out += range(int(lo), int(hi) + 1)
-        elif part:
-            out.append(int(part))
-    return sorted(out)
-
-
 def positions_from_log(log_path: Path, request_id: str) -> dict[int, list[int]]:
     """The block positions of the consumer's mismatch line for the request."""
     try:
@@ -184,7 +172,7 @@ def positions_from_log(log_path: Path, request_id: str) -> dict[int, list[int]]:
         return {}
     for rid, rest in _LOG_MISMATCH.findall(text):
         if request_id in rid:
-            return {int(g): _expand(ps) for g, ps in _LOG_GROUP.findall(rest)}
+            return {int(g): expand_positions(ps) for g, ps in _LOG_GROUP.findall(rest)}
     return {}
 
 
