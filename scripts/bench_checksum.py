@@ -5,9 +5,12 @@
     builder (vllm_kvchecksum.rows.build_rows) against a per-block Python
     loop that fills three lists and turns each into a tensor.
 (b) cpu: the PyTorch path's read rate (GB/s of KV read) on one layer,
-    against zlib.adler32, zlib.crc32 and a numpy sum over the same bytes in
-    the same run, and against two other ways to compute the same sums
-    (multiply-and-sum, and matrix-vector products), asserted equal.
+    against zlib.adler32 (SGLang's choice), zlib.crc32, a numpy sum (the
+    memory-read limit) and, when installed (`pip install -e .[bench]`),
+    xxHash XXH3-64 (`xxhash`, LMCache's) and CRC32C (`google-crc32c`, vLLM's
+    filesystem offload tier's) over the same bytes in the same run, and
+    against two other ways to compute the same sums (multiply-and-sum, and
+    matrix-vector products), asserted equal.
 (c) cuda (only with a CUDA device): one layer of 2048 blocks x 8 heads x 16
     tokens x 128 head size, bf16 K and V, and rows of about 1 MB (the size
     of Mamba states), with both paths, against a device-to-device copy of
@@ -172,6 +175,25 @@ def alternative(view: LayerView, kind: str, chunk_rows: int):
     return run
 
 
+def optional_peers(raw: list[np.ndarray]) -> list:
+    """XXH3-64 and CRC32C over the same bytes, when their packages are installed (the bench extra)."""
+    peers = []
+    try:
+        import xxhash
+    except ImportError:
+        print("xxhash not installed (pip install -e .[bench]): no XXH3-64 row", file=sys.stderr)
+    else:
+        peers.append(("xxhash.xxh3_64", lambda: [xxhash.xxh3_64_intdigest(r) for r in raw]))
+    try:
+        import google_crc32c
+    except ImportError:
+        print("google-crc32c not installed (pip install -e .[bench]): no CRC32C row", file=sys.stderr)
+    else:
+        peers.append((f"google_crc32c ({google_crc32c.implementation})",
+                      lambda: [google_crc32c.value(r) for r in raw]))
+    return peers
+
+
 def bench_cpu(quick: bool, threads: int) -> Table:
     torch.set_num_threads(threads)
     num_blocks = 512 if quick else 2048
@@ -203,6 +225,7 @@ def bench_cpu(quick: bool, threads: int) -> Table:
     candidates = [
         ("zlib.adler32", lambda: [zlib.adler32(r) for r in raw]),
         ("zlib.crc32", lambda: [zlib.crc32(r) for r in raw]),
+        *optional_peers(raw),
         ("numpy sum (uint64)", lambda: [p.sum() for p in pieces]),
         ("checksums, shuffled block ids", lambda: package(shuffled)),
         ("checksums, consecutive block ids",
