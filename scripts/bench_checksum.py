@@ -10,7 +10,11 @@
     xxHash XXH3-64 (`xxhash`, LMCache's) and CRC32C (`google-crc32c`, vLLM's
     filesystem offload tier's) over the same bytes in the same run, and
     against two other ways to compute the same sums (multiply-and-sum, and
-    matrix-vector products), asserted equal.
+    matrix-vector products), asserted equal; with the path's two costs
+    apart (the gather alone, the two sums alone); and, where gcc is found,
+    against a single-pass C prototype of the same sums
+    (scripts/bench_fused_cpu.c, built for this CPU at bench time; not part
+    of the package), asserted equal.
 (c) cuda (only with a CUDA device): one layer of 2048 blocks x 8 heads x 16
     tokens x 128 head size, bf16 K and V, and rows of about 1 MB (the size
     of Mamba states), with both paths, against a device-to-device copy of
@@ -38,6 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from vllm_kvchecksum.kernels.torch_path import CPU_CHUNK_BYTES  # noqa: E402
 from vllm_kvchecksum.layer_view import LayerView  # noqa: E402
 from vllm_kvchecksum.rows import RequestBlocks, build_rows  # noqa: E402
 
@@ -194,6 +199,63 @@ def optional_peers(raw: list[np.ndarray]) -> list:
     return peers
 
 
+def compiled_prototype(view: LayerView):
+    """The single-pass C prototype (scripts/bench_fused_cpu.c), built with the
+    machine's gcc for this CPU, as a function of (ids, t0) giving the rows'
+    checksums of full blocks; None, with the reason on stderr, when there is
+    no compiler. Bench only: the package has no compiled code."""
+    import ctypes
+    import shutil
+    import subprocess
+    import tempfile
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_fused_cpu.c")
+    if view.layout != "HND" or view.kernel_blocks_per_block != 1 or view.piece_bits != 64:
+        return None
+    if shutil.which("gcc") is None:
+        print("no gcc: no compiled-prototype row", file=sys.stderr)
+        return None
+    lib_path = os.path.join(tempfile.mkdtemp(prefix="kvcs-bench-"), "fused.so")
+    subprocess.run(["gcc", "-O3", "-march=native", "-shared", "-fPIC", "-o", lib_path, src],
+                   check=True)
+    fn = ctypes.CDLL(lib_path).kvcs_block_rows
+    fn.restype = ctypes.c_int
+    i64, u64, ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+
+    def run(ids: torch.Tensor, t0: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(ids.shape[0], dtype=torch.int64)
+        for cache in view.caches:
+            p = cache.pieces
+            rc = fn(ptr(p.data_ptr()), i64(cache.block_stride), i64(view.num_heads),
+                    i64(view.kernel_tokens), i64(cache.num_pieces), i64(cache.head_stride),
+                    i64(cache.token_stride), ptr(ids.data_ptr()), ptr(t0.data_ptr()),
+                    i64(ids.shape[0]), u64(view.factor_base), u64(view.pieces_per_token),
+                    u64(cache.piece_offset), ptr(out.data_ptr()))
+            assert rc == 0
+        return out
+    return run
+
+
+def gather_and_sums(view: LayerView, chunk_rows: int):
+    """The PyTorch path's two costs apart, over the same rows in the same
+    chunks: the gather alone (index_select into a reused buffer), and the
+    two sums alone read in place (as for consecutive ids)."""
+    blocked = [c.pieces for c in view.caches]
+    buf = torch.empty(chunk_rows, *blocked[0].shape[1:], dtype=torch.int64)
+
+    def gather(ids):
+        for b in blocked:
+            for s in range(0, ids.shape[0], chunk_rows):
+                rows = ids[s:s + chunk_rows]
+                torch.index_select(b, 0, rows, out=buf[:rows.shape[0]])
+
+    def sums():
+        for b in blocked:
+            for s in range(0, b.shape[0], chunk_rows):
+                chunk = b[s:s + chunk_rows]
+                chunk.sum(dim=-1), chunk.sum(dim=2)
+    return gather, sums
+
+
 def bench_cpu(quick: bool, threads: int) -> Table:
     torch.set_num_threads(threads)
     num_blocks = 512 if quick else 2048
@@ -220,6 +282,10 @@ def bench_cpu(quick: bool, threads: int) -> Table:
     alternatives = {kind: alternative(view, kind, chunk_rows) for kind in ("mul_sum", "mv")}
     for kind, run in alternatives.items():
         assert torch.equal(run(shuffled, t0), expect), kind
+    fused = compiled_prototype(view)
+    if fused is not None:
+        assert torch.equal(fused(shuffled, t0), expect), "compiled prototype"
+    gather_only, sums_only = gather_and_sums(view, CPU_CHUNK_BYTES // (nbytes // num_blocks // 2))
     raw = [t.view(torch.uint8).numpy() for t in (k, v)]
     pieces = [t.view(torch.int64).numpy() for t in (k, v)]
     candidates = [
@@ -232,7 +298,15 @@ def bench_cpu(quick: bool, threads: int) -> Table:
          lambda: package(torch.arange(num_blocks, dtype=torch.int64))),
         ("alt: gather, multiply, sum", lambda: alternatives["mul_sum"](shuffled, t0)),
         ("alt: gather, 2 x mv", lambda: alternatives["mv"](shuffled, t0)),
+        ("part: the gather alone, shuffled", lambda: gather_only(shuffled)),
+        ("part: the two sums alone, in place", sums_only),
     ]
+    if fused is not None:
+        candidates += [
+            ("C prototype (bench only), shuffled", lambda: fused(shuffled, t0)),
+            ("C prototype (bench only), consecutive",
+             lambda: fused(torch.arange(num_blocks, dtype=torch.int64), t0)),
+        ]
     times = timeit_interleaved(dict(candidates), reps)
     for name, seconds in times.items():
         table.add(name, f"{seconds * 1e3:.1f}", f"{nbytes / seconds / 1e9:.1f}",

@@ -268,6 +268,24 @@ def consumer_table(args) -> None:
             pd = t_dec + t_cmp
             print(f"| {groups} | {tp} | {t_dec * 1e3:.2f} | {t_cmp * 1e3:.2f} | {pd / steps[256]:.2f} | "
                   f"{pd / steps[64]:.2f} | {t_off * 1e3:.2f} | {t_off / steps[256]:.2f} | {t_off / steps[64]:.2f} |")
+    # A steady step with loads in flight: the hooks the patched Scheduler calls every step
+    # (build_checksum_meta in schedule(); collect, verify_sync_loads and
+    # verify_finished_loads in update_from_output()), with nothing new to report.
+    print("\nthe checksum hooks of one steady step (no load starts or finishes), by loads in flight:\n")
+    print("| loads in flight | hooks us / step | / 256-step | / 64-step |")
+    print("|---|---|---|---|")
+    for num_loads in (0, 256):
+        checksums = checksum_scheduler_with_loads(num_loads, 32768, rng)
+        checksums.build_checksum_meta()  # the step that started them
+
+        def steady_step():
+            scheduled = checksums.build_checksum_meta()
+            checksums.collect(None)
+            checksums.verify_sync_loads(scheduled)
+            checksums.verify_finished_loads((), ())
+        assert len(checksums._recvs) == num_loads
+        t_hooks = timed(steady_step, args.repeat * 100)
+        print(f"| {num_loads} | {t_hooks * 1e6:.2f} | {t_hooks / steps[256]:.4f} | {t_hooks / steps[64]:.4f} |")
 
 
 def main() -> int:

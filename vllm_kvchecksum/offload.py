@@ -63,18 +63,17 @@ class BlockChecksumRun:
 def block_hash_words(block_hashes: Sequence[bytes]) -> np.ndarray:
     """The little-endian uint64 of each hash's first 8 bytes (zero-padded if shorter).
 
-    Vectorized when every hash has one length of at least 8 bytes (vLLM's
-    block hashes do): one join, one reshape, no Python loop per block.
+    One numpy call for vLLM's block hashes (bytes): numpy's 8-byte strings
+    keep exactly the first 8 bytes of each, zero-padded. Other bytes-like
+    hashes take a loop.
     """
     n = len(block_hashes)
-    if n == 0:
-        return np.zeros(0, dtype=np.uint64)
-    widths = set(map(len, block_hashes))
-    if len(widths) == 1 and (width := widths.pop()) >= 8:
-        rows = np.frombuffer(b"".join(block_hashes), dtype=np.uint8).reshape(n, width)
-        return np.ascontiguousarray(rows[:, :8]).view("<u8").ravel().astype(np.uint64)
-    raw = b"".join(bytes(h[:8]).ljust(8, b"\0") for h in block_hashes)
-    return np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+    try:
+        words = np.fromiter(block_hashes, dtype="S8", count=n)
+    except (TypeError, ValueError):  # bytearray or memoryview hashes
+        raw = b"".join(bytes(h[:8]).ljust(8, b"\0") for h in block_hashes)
+        return np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+    return words.view("<u8").astype(np.uint64)
 
 
 def tags_of(hash_words: np.ndarray, fingerprint: int) -> np.ndarray:
@@ -88,11 +87,14 @@ def block_checksum_tags(block_hashes: Sequence[bytes], fingerprint: int) -> np.n
 
 
 def _worker_block_values(partials: Mapping) -> np.ndarray:
-    """A worker's checksum of each block: the sum of its partials (every replica it holds)."""
+    """A worker's checksum of each block: the sum of its partials (every replica it holds).
+
+    Read only: with one partial (no replicated layers) it is that array itself.
+    """
     total = None
     for values in partials.values():
         v = _as_uint64(values)
-        total = v.copy() if total is None else total + v
+        total = v if total is None else total + v
     return total
 
 
@@ -116,6 +118,16 @@ def compare_offloaded(records: Sequence[KVChecksumRecord], req_id: str, expected
     if problem is not None:
         return _offloaded(_load_unverified(req_id, problem.key, problem.message))
     verdicts: dict[int, GroupVerdict] = {}
+    # Groups loaded over the same blocks share one list of hashes (the
+    # scheduler passes the same object): their words are computed once. The
+    # list is kept with its words, so its id is not reused during the call.
+    words_memo: dict[int, tuple[Sequence[bytes], np.ndarray]] = {}
+
+    def words_of(hashes: Sequence[bytes]) -> np.ndarray:
+        if id(hashes) not in words_memo:
+            words_memo[id(hashes)] = (hashes, block_hash_words(hashes))
+        return words_memo[id(hashes)][1]
+
     for group_id, (start, num_blocks) in sorted(scheduled.items()):
         storing = [w for w, r in by_worker.items() if group_id in r.offload_groups]
         if not storing:
@@ -127,7 +139,7 @@ def compare_offloaded(records: Sequence[KVChecksumRecord], req_id: str, expected
                 reason=f"workers {', '.join(map(_worker_name, missing))} store no checksums of this group")
             continue
         verdicts[group_id] = _compare_group(by_worker, req_id, group_id, start, num_blocks,
-                                            block_hashes.get(group_id, ()))
+                                            block_hashes.get(group_id, ()), words_of)
     if not verdicts:
         return _offloaded(_load_unverified(req_id, UnverifiedReason.NO_GROUPS,
                                            "no worker stores checksums of the loaded groups"))
@@ -142,13 +154,15 @@ def _offloaded(verdict: LoadVerdict) -> LoadVerdict:
 
 
 def _compare_group(by_worker: Mapping, req_id: str, group_id: int, start: int, num_blocks: int,
-                   hashes: Sequence[bytes]) -> GroupVerdict:
+                   hashes: Sequence[bytes], words_of) -> GroupVerdict:
     if len(hashes) != num_blocks:
         return GroupVerdict(group_id, CheckStatus.UNVERIFIED, reason_key=UnverifiedReason.NO_BLOCK_HASHES,
                             reason=f"the request has {len(hashes)} block hashes for {num_blocks} loaded blocks")
     bad = np.zeros(num_blocks, dtype=bool)
+    diff = np.empty(num_blocks, dtype=np.uint64)  # reused for each worker
     compared = 0
-    words = block_hash_words(hashes)  # once per group; each worker XORs its own fingerprint
+    words = words_of(hashes)
+    tags: dict[int, np.ndarray] = {}  # per fingerprint: the TP ranks of a PP stage share one
     for worker, record in sorted(by_worker.items()):
         group = record.requests[req_id].get(group_id)
         stored = record.stored.get(req_id, {}).get(group_id)
@@ -160,8 +174,11 @@ def _compare_group(by_worker: Mapping, req_id: str, group_id: int, start: int, n
             return GroupVerdict(group_id, CheckStatus.UNVERIFIED, reason_key=UnverifiedReason.MALFORMED_RECORD,
                                 reason=f"worker {_worker_name(worker)} reported no stored checksums "
                                        f"for {num_blocks} blocks")
-        expected = _as_uint64(stored) ^ tags_of(words, record.fingerprints.get(group_id, 0))
-        bad |= _worker_block_values(group.partials) != expected
+        fingerprint = record.fingerprints.get(group_id, 0)
+        if fingerprint not in tags:
+            tags[fingerprint] = tags_of(words, fingerprint)
+        np.bitwise_xor(_worker_block_values(group.partials), _as_uint64(stored), out=diff)
+        bad |= diff != tags[fingerprint]
     if not compared:
         return GroupVerdict(group_id, CheckStatus.UNVERIFIED, reason_key=UnverifiedReason.MALFORMED_RECORD,
                             reason="no worker reported values of the group")

@@ -392,6 +392,7 @@ class KVChecksumScheduler:
                          sorted(t.value for t in sources))
             return None
         groups, hashes = {}, {}
+        hash_lists: dict[tuple[int, int], list] = {}  # one list per block range, shared by its groups
         for layout in self.offload_layouts:
             full_end = num_tokens // layout.block_size * layout.block_size
             blocks = group_blocks(block_ids[layout.group_id], layout, num_local_tokens, full_end,
@@ -399,7 +400,10 @@ class KVChecksumScheduler:
             if blocks is None or not blocks.block_ids:
                 continue
             groups[layout.group_id] = blocks
-            hashes[layout.group_id] = list(request.block_hashes[blocks.start:blocks.start + len(blocks.block_ids)])
+            span = (blocks.start, blocks.start + len(blocks.block_ids))
+            if span not in hash_lists:
+                hash_lists[span] = list(request.block_hashes[span[0]:span[1]])
+            hashes[layout.group_id] = hash_lists[span]
         if not groups:
             return None
         return _Pending(KVChecksumBlocks(num_tokens, groups, offloaded=True), request=request, block_hashes=hashes)

@@ -765,3 +765,36 @@ def test_bounded_chunk_comparison_agrees_with_the_padded_reference(producer, con
         assert isinstance(result, compare_module._Problem) and result.key is expected, result
     else:
         assert result == expected
+
+
+@st.composite
+def sides_with_one_block_size(draw):
+    """A producer and a consumer side of one block size (the usual P/D case,
+    which _compare_chunks takes by its own shortcut)."""
+    block_size = draw(st.sampled_from([1, 2, 3, 16]))
+    producer = draw(block_values(checks=1))
+    consumer = draw(st.integers(1, 3).flatmap(block_values))
+    # Token counts around block boundaries, so the last-block rule is exercised.
+    def tokens():
+        return st.one_of(st.integers(0, 300),
+                         st.integers(0, 14).map(lambda b: b * block_size),
+                         st.integers(0, 14).map(lambda b: b * block_size + 1))
+    return (producer._replace(block_size=block_size, num_tokens=draw(tokens())),
+            consumer._replace(block_size=block_size, num_tokens=draw(tokens())))
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sides_with_one_block_size())
+def test_the_equal_block_size_shortcut_agrees_with_the_general_comparison(sides):
+    producer, consumer = sides
+    result = compare_module._compare_chunks(producer, consumer)
+    general = compare_module._compare_lined_up(producer, consumer)
+    if isinstance(general, compare_module._Problem):
+        assert isinstance(result, compare_module._Problem) and result.key is general.key, (result, general)
+    else:
+        assert result == general
+    expected = padded_reference(producer, consumer)
+    if isinstance(expected, UnverifiedReason):
+        assert isinstance(result, compare_module._Problem) and result.key is expected, result
+    else:
+        assert result == expected

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_kvchecksum.compare import CheckStatus, UnverifiedReason
-from vllm_kvchecksum.offload import block_checksum_tags, compare_offloaded
+from vllm_kvchecksum.offload import block_checksum_tags, block_hash_words, compare_offloaded
 from vllm_kvchecksum.records import GroupChecksums, KVChecksumRecord
 
 REQ = "r"
@@ -31,6 +31,15 @@ def _compare(records, hashes=HASHES):
 def test_the_tag_is_the_hashs_first_8_bytes_little_endian_xor_the_fingerprint():
     h = bytes(range(32))
     assert int(block_checksum_tags([h], FP)[0]) == int.from_bytes(h[:8], "little") ^ FP
+
+
+def test_hash_words_are_each_hashs_first_8_bytes_zero_padded_whatever_the_type():
+    hashes = [bytes(range(i, i + 32)) for i in range(5)] + [b"\x00\x00ab\x00", b"", b"x" * 8]
+    expected = [int.from_bytes(h[:8].ljust(8, b"\0"), "little") for h in hashes]
+    assert block_hash_words(hashes).tolist() == expected
+    assert block_hash_words([bytearray(h) for h in hashes]).tolist() == expected
+    assert block_hash_words([memoryview(h) for h in hashes]).tolist() == expected
+    assert block_hash_words([]).tolist() == []
 
 
 def test_entries_matching_the_tagged_checksums_verify():
@@ -75,3 +84,40 @@ def test_nothing_compared_is_not_verified():
 def test_missing_hashes_are_unverified():
     verdict = _compare([_record()], hashes=HASHES[:2])
     assert verdict.groups[0].reason_key is UnverifiedReason.NO_BLOCK_HASHES
+
+
+def _stage(pp_rank, fingerprint, values=(11, 22, 33), tag_fingerprint=None):
+    """The record of PP stage pp_rank (of 2), whose layers give this fingerprint."""
+    values = np.array(values, dtype=np.uint64)
+    record = KVChecksumRecord(0, 1, pp_rank, 2, {0: fingerprint}, {}, offload_groups=frozenset({0}))
+    record.requests[REQ] = {0: GroupChecksums(1, 3, 16, {(1, 0): values})}
+    record.num_tokens[REQ] = 64
+    tags = block_checksum_tags(HASHES, fingerprint if tag_fingerprint is None else tag_fingerprint)
+    record.stored[REQ] = {0: values ^ tags}
+    return record
+
+
+def test_each_pp_stage_is_checked_with_its_own_fingerprint():
+    # The stages' layers differ, so do their fingerprints and their tags.
+    assert _compare([_stage(0, FP), _stage(1, FP + 2, values=(4, 5, 6))]).status is CheckStatus.VERIFIED
+    # Stage 1's entries tagged with stage 0's fingerprint: another stage's values.
+    wrong = _stage(1, FP + 2, values=(4, 5, 6), tag_fingerprint=FP)
+    assert _compare([_stage(0, FP), wrong]).mismatched_blocks == {0: (1, 2, 3)}
+
+
+def test_groups_over_other_blocks_are_tagged_with_their_own_hashes():
+    other = [bytes([i]) * 32 for i in range(7, 10)]
+    record = _record()
+    g1 = np.array([4, 5, 6], dtype=np.uint64)
+    record.requests[REQ][1] = GroupChecksums(1, 3, 16, {(1, 0): g1})
+    record.fingerprints[1] = FP
+    record.offload_groups = frozenset({0, 1})
+    record.stored[REQ][1] = g1 ^ block_checksum_tags(other, FP)
+    scheduled = {0: (1, 3), 1: (1, 3)}
+    verdict = compare_offloaded([record], REQ, 1, scheduled, 64, {0: HASHES, 1: other})
+    assert verdict.status is CheckStatus.VERIFIED, verdict.describe()
+    # The same list object for both groups (the scheduler shares one per block range).
+    record.stored[REQ][1] = g1 ^ block_checksum_tags(HASHES, FP)
+    assert compare_offloaded([record], REQ, 1, scheduled, 64, {0: HASHES, 1: HASHES}).status is CheckStatus.VERIFIED
+    assert compare_offloaded([record], REQ, 1, scheduled, 64,
+                             {0: HASHES, 1: other}).mismatched_blocks == {1: (1, 2, 3)}
