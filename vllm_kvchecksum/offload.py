@@ -64,10 +64,14 @@ def block_hash_words(block_hashes: Sequence[bytes]) -> np.ndarray:
     """The little-endian uint64 of each hash's first 8 bytes (zero-padded if shorter).
 
     One numpy call for vLLM's block hashes (bytes): numpy's 8-byte strings
-    keep exactly the first 8 bytes of each, zero-padded. Other bytes-like
-    hashes take a loop.
+    keep exactly the first 8 bytes of each, zero-padded. bytearray and
+    memoryview hashes take a loop. numpy would turn other objects (None,
+    ints, str) into their text, so a list that does not start with a
+    bytes-like hash raises TypeError (vLLM's hashes are always bytes).
     """
     n = len(block_hashes)
+    if n and not isinstance(block_hashes[0], (bytes, bytearray, memoryview)):
+        raise TypeError(f"block hashes must be bytes, got {type(block_hashes[0]).__name__}")
     try:
         words = np.fromiter(block_hashes, dtype="S8", count=n)
     except (TypeError, ValueError):  # bytearray or memoryview hashes

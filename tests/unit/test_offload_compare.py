@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from vllm_kvchecksum.compare import CheckStatus, UnverifiedReason
 from vllm_kvchecksum.offload import block_checksum_tags, block_hash_words, compare_offloaded
@@ -40,6 +41,9 @@ def test_hash_words_are_each_hashs_first_8_bytes_zero_padded_whatever_the_type()
     assert block_hash_words([bytearray(h) for h in hashes]).tolist() == expected
     assert block_hash_words([memoryview(h) for h in hashes]).tolist() == expected
     assert block_hash_words([]).tolist() == []
+    for not_hashes in ([None] * 3, [1, 2], ["abcdefghij"]):
+        with pytest.raises(TypeError, match="block hashes must be bytes"):
+            block_hash_words(not_hashes)
 
 
 def test_entries_matching_the_tagged_checksums_verify():
