@@ -43,6 +43,7 @@ from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_transfer_config, make_models,
                               mooncake_bootstrap, push_target, server_argv, server_env)
 from kvcs_demo.store import STORE_FAULTS, expand_positions
+from kvcs_demo.summary import log, log_ending
 
 FAULT_KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
                "misplace_block", "change_tail", "drop_checksums")
@@ -53,10 +54,6 @@ LOAD_COUNTERS = ("loads_verified", "loads_mismatched", "loads_unverified", "load
 REQUEST_TIMEOUT_S = 180.0
 VERDICT_WAIT_S = 15.0
 STARTUP_TIMEOUT_S = 900.0
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # ----------------------------------------------------------------- requests
@@ -556,14 +553,7 @@ def print_table(report: dict) -> None:
         for h in s.get("hostile_client", []):
             log(f"{s['name']:<16} {'hostile:' + h['payload']:<24} HTTP {h['status']}, {h['verdict']} ({h['reason']}), "
                 f"next request HTTP {h['next_request_status']}")
-    t = report.get("ttft") or {}
-    if t.get("ratio"):
-        log(f"TTFT p50 (prefill + transfer + first token, {t['requests_each']} requests each): checksums on "
-            f"{t['on_p50_ms']:.0f} ms, off {t['off_p50_ms']:.0f} ms, ratio {t['ratio']:.2f}")
-    log(f"wall time {report['wall_s']:.0f} s; " + ("every check passed" if report["ok"] else
-                                                  f"{len(report['failures'])} check(s) FAILED:"))
-    for f in report["failures"][:20]:
-        log(f"  FAIL {f}")
+    log_ending(report, "prefill + transfer + first token")
 
 
 # ----------------------------------------------------------------- main

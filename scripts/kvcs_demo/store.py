@@ -81,6 +81,7 @@ from pathlib import Path
 
 from kvcs_demo import prom
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
+from kvcs_demo.summary import log, log_ending
 
 STORE_FAULTS = ("flip_bit", "change_entry", "swap_values", "other_prefix")
 # The block positions each fault hits (the prompt has BLOCKS full blocks).
@@ -100,10 +101,6 @@ REPORT_NAME = "report-store.json"
 OFFLOADED_LOADS = ("offloaded_loads_verified", "offloaded_loads_mismatched", "offloaded_loads_unverified",
                    "offloaded_loads_not_checked")
 HITS = "external_prefix_cache_hits"
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # ----------------------------------------------------------------- the master
@@ -756,14 +753,7 @@ def print_table(report: dict) -> None:
             f"{total(m, 'offloaded_loads_mismatched'):>5} {total(m, HITS):>5}  {str(rep):<10} {str(inj):<10} "
             f"{str(ph['keys_removed'] or '-'):<10} {('yes' if ph['output_equal'] else 'no'):<6} "
             + ("ok" if ph["ok"] else "FAILED"))
-    t = report.get("ttft") or {}
-    if t.get("ratio"):
-        log(f"TTFT p50 of store hits (B, max_tokens 1, {t['requests_each']} requests each): checksums on "
-            f"{t['on_p50_ms']:.0f} ms, off {t['off_p50_ms']:.0f} ms, ratio {t['ratio']:.2f}")
-    log(f"wall time {report['wall_s']:.0f} s; " + ("every check passed" if report["ok"] else
-                                                  f"{len(report['failures'])} check(s) FAILED:"))
-    for f in report["failures"][:20]:
-        log(f"  FAIL {f}")
+    log_ending(report, "store hits on B, max_tokens 1")
 
 
 # ----------------------------------------------------------------- main

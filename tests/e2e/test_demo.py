@@ -29,14 +29,12 @@ One mode: `make test-e2e` with `-k push`, e.g.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from demo_run import ROOT, processes_left, run_demo
 
-ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
          "misplace_block", "change_tail", "drop_checksums")
 
@@ -63,46 +61,14 @@ def demo(request, tmp_path_factory):
     return proc, report, out
 
 
-def run_demo(args: list[str], out: Path, timeout: int):
-    """`python -m kvcs_demo ARGS --out OUT` to its end; (process, report)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "scripts"), HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvcs_demo", *args, "--out", str(out)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except BaseException:
-        # SIGTERM, not SIGKILL: the demo then stops every server it started
-        # (they run in process groups of their own and would outlive a kill).
-        proc.terminate()
-        try:
-            proc.communicate(timeout=90)
-        finally:
-            proc.kill()
-        raise
-    print(stdout[-6000:])
-    print(stderr[-3000:], file=sys.stderr)
-    report_path = out / "report.json"
-    assert report_path.exists(), f"no report (exit {proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}"
-    return proc, json.loads(report_path.read_text())
-
-
 def test_demo_passes_and_leaves_no_process(demo):
     proc, report, out = demo
     assert report["failures"] == [] and report["ok"], report["failures"]
     assert proc.returncode == 0
-    # No process of any group the demo started is left (zombies aside: they
-    # hold no resources and wait for init to reap them).
+    # No process of any group the demo started is left.
     groups = json.loads((out / "process_groups.json").read_text())
     assert len(groups) == 2 * 4 + 1, groups  # 4 pairs and the proxy
-    left = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, pgrp = fields[0], int(fields[2])
-        if pgrp in groups.values() and state != "Z":
-            left.append(f"pid {stat.parent.name} of group {pgrp}")
+    left = processes_left(groups.values())
     assert not left, f"processes left behind: {left}"
 
 

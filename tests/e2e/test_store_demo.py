@@ -17,17 +17,14 @@ needs the machine's cores). Alone:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from demo_run import processes_left, run_demo
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 # The block positions each fault is injected at (kvcs_demo.store.FAULT_POSITIONS),
 # restated: the demo's report must show these, not whatever it chose.
 FAULTS = {"flip_bit": [1], "change_entry": [3], "swap_values": [0, 2], "other_prefix": [2]}
@@ -39,25 +36,9 @@ def store_demo(tmp_path_factory):
     if not (Path(sys.executable).parent / "mooncake_master").exists():
         pytest.skip("no mooncake_master next to the venv's python (mooncake-transfer-engine-non-cuda)")
     out = tmp_path_factory.mktemp("demo-store")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "scripts"), HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvcs_demo", "--mode", "store", "--ttft-requests", "1",
-                             "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=1200)
-    except BaseException:
-        # SIGTERM: the demo stops every process it started (own process groups).
-        proc.terminate()
-        try:
-            proc.communicate(timeout=90)
-        finally:
-            proc.kill()
-        raise
-    print(stdout[-6000:])
-    print(stderr[-3000:], file=sys.stderr)
-    path = out / "report-store.json"
-    assert path.exists(), f"no report (exit {proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}"
-    return proc, json.loads(path.read_text()), out
+    proc, report = run_demo(["--mode", "store", "--ttft-requests", "1"], out, timeout=1200,
+                            report_name="report-store.json")
+    return proc, report, out
 
 
 def phase(report: dict, name: str) -> dict:
@@ -77,14 +58,7 @@ def test_store_demo_passes_and_leaves_no_process(store_demo):
     assert [p["phase"] for p in report["phases"]] == ["clean", *FAULTS]
     groups = report["process_groups"]
     assert set(groups) == {"mooncake-master", "store-A", "store-B", "store-A_off", "store-B_off"}, groups
-    left = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) in groups.values() and fields[0] != "Z":
-            left.append(f"pid {stat.parent.name} of group {fields[2]}")
+    left = processes_left(groups.values())
     assert not left, f"processes left behind: {left}"
 
 
