@@ -659,6 +659,15 @@ def _consumer_positions(in_chunk: np.ndarray, first: int, per_chunk: int, start:
     return positions[inside]
 
 
+# What both ways of lining blocks up (_compare_lined_up, _compare_equal_blocks)
+# say when nothing can be compared.
+_NOTHING_ON_BOTH_SIDES = _Problem(UnverifiedReason.NO_COMMON_BLOCKS,
+                                  "no block position is checksummed on both sides")
+_NOTHING_WHOLE_ON_BOTH_SIDES = _Problem(UnverifiedReason.NO_COMMON_BLOCKS,
+                                        "no block position is checksummed whole on both sides "
+                                        "with the same number of tokens")
+
+
 def _compare_chunks(producer: _BlockValues,
                     consumer: _BlockValues) -> tuple[tuple[int, ...], int] | _Problem:
     """Compare the positions both sides hold, in chunks of the larger block size.
@@ -695,14 +704,11 @@ def _compare_lined_up(producer: _BlockValues,
     theirs_first, theirs_end = _chunk_range(producer, large // producer.block_size)
     first, end = max(ours_first, theirs_first), min(ours_end, theirs_end)
     if end <= first:
-        return _Problem(UnverifiedReason.NO_COMMON_BLOCKS,
-                        "no block position is checksummed on both sides")
+        return _NOTHING_ON_BOTH_SIDES
     ours, theirs = _chunks(consumer, large, first, end), _chunks(producer, large, first, end)
     compared = ours.covered & theirs.covered & (ours.tokens == theirs.tokens)
     if not compared.any():
-        return _Problem(UnverifiedReason.NO_COMMON_BLOCKS,
-                        "no block position is checksummed whole on both sides "
-                        "with the same number of tokens")
+        return _NOTHING_WHOLE_ON_BOTH_SIDES
     differs = compared & (ours.sums != theirs.sums).any(axis=0)
     num_blocks = consumer.values.shape[1]
     count = _consumer_positions(compared, first, consumer_per_chunk, consumer.start,
@@ -727,8 +733,7 @@ def _compare_equal_blocks(producer: _BlockValues,
     first = max(consumer.start, producer.start)
     end = min(consumer.start + consumer.values.shape[1], producer.start + producer.values.shape[1])
     if end <= first:
-        return _Problem(UnverifiedReason.NO_COMMON_BLOCKS,
-                        "no block position is checksummed on both sides")
+        return _NOTHING_ON_BOTH_SIDES
     # Blocks before `full` hold block_size tokens on both sides. Past it one
     # side holds fewer, then none: only the block at `full` may still count,
     # when both sides hold the same tokens in it, and some.
@@ -737,9 +742,7 @@ def _compare_equal_blocks(producer: _BlockValues,
     if full < end and 0 < _tokens_in(consumer, full) == _tokens_in(producer, full):
         stop = full + 1
     if stop <= first:
-        return _Problem(UnverifiedReason.NO_COMMON_BLOCKS,
-                        "no block position is checksummed whole on both sides "
-                        "with the same number of tokens")
+        return _NOTHING_WHOLE_ON_BOTH_SIDES
     ours = consumer.values[:, first - consumer.start:stop - consumer.start]
     theirs = producer.values[:, first - producer.start:stop - producer.start]
     mismatched = np.flatnonzero((ours != theirs).any(axis=0)) + first

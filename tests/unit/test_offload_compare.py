@@ -14,13 +14,16 @@ HASHES = [bytes([i]) * 32 for i in range(1, 4)]
 FP = 0xDEADBEEF12345678
 
 
-def _record(tp_rank=0, tp_size=1, values=(11, 22, 33), stored=None, partials=True, offload_groups=(0,)):
+def _record(tp_rank=0, tp_size=1, values=(11, 22, 33), stored=None, partials=True, offload_groups=(0,),
+            pp_rank=0, pp_size=1, fingerprint=FP):
+    """A worker's record of group 0; unless given, entries stored with the worker's own tags."""
     values = np.array(values, dtype=np.uint64)
-    record = KVChecksumRecord(tp_rank, tp_size, 0, 1, {0: FP}, {}, offload_groups=frozenset(offload_groups))
+    record = KVChecksumRecord(tp_rank, tp_size, pp_rank, pp_size, {0: fingerprint}, {},
+                              offload_groups=frozenset(offload_groups))
     record.requests[REQ] = {0: GroupChecksums(1, 3, 16, {(1, 0): values} if partials else {})}
     record.num_tokens[REQ] = 64
     if stored is None:
-        stored = values ^ block_checksum_tags(HASHES, FP)
+        stored = values ^ block_checksum_tags(HASHES, fingerprint)
     record.stored[REQ] = {0: np.asarray(stored, dtype=np.uint64)}
     return record
 
@@ -90,23 +93,15 @@ def test_missing_hashes_are_unverified():
     assert verdict.groups[0].reason_key is UnverifiedReason.NO_BLOCK_HASHES
 
 
-def _stage(pp_rank, fingerprint, values=(11, 22, 33), tag_fingerprint=None):
-    """The record of PP stage pp_rank (of 2), whose layers give this fingerprint."""
-    values = np.array(values, dtype=np.uint64)
-    record = KVChecksumRecord(0, 1, pp_rank, 2, {0: fingerprint}, {}, offload_groups=frozenset({0}))
-    record.requests[REQ] = {0: GroupChecksums(1, 3, 16, {(1, 0): values})}
-    record.num_tokens[REQ] = 64
-    tags = block_checksum_tags(HASHES, fingerprint if tag_fingerprint is None else tag_fingerprint)
-    record.stored[REQ] = {0: values ^ tags}
-    return record
-
-
 def test_each_pp_stage_is_checked_with_its_own_fingerprint():
     # The stages' layers differ, so do their fingerprints and their tags.
-    assert _compare([_stage(0, FP), _stage(1, FP + 2, values=(4, 5, 6))]).status is CheckStatus.VERIFIED
+    stage_0 = _record(pp_rank=0, pp_size=2)
+    stage_1 = _record(pp_rank=1, pp_size=2, fingerprint=FP + 2, values=(4, 5, 6))
+    assert _compare([stage_0, stage_1]).status is CheckStatus.VERIFIED
     # Stage 1's entries tagged with stage 0's fingerprint: another stage's values.
-    wrong = _stage(1, FP + 2, values=(4, 5, 6), tag_fingerprint=FP)
-    assert _compare([_stage(0, FP), wrong]).mismatched_blocks == {0: (1, 2, 3)}
+    wrong = _record(pp_rank=1, pp_size=2, fingerprint=FP + 2, values=(4, 5, 6),
+                    stored=np.array([4, 5, 6], dtype=np.uint64) ^ block_checksum_tags(HASHES, FP))
+    assert _compare([stage_0, wrong]).mismatched_blocks == {0: (1, 2, 3)}
 
 
 def test_groups_over_other_blocks_are_tagged_with_their_own_hashes():
