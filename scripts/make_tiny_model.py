@@ -36,12 +36,12 @@ transformers beside this torch), so vLLM cannot load it here.
 Serving the hybrids on vLLM v0.32.0's CPU backend (seen 2026-12-03): the
 attention block size is raised to match the Mamba page (granite-h 160,
 qwen3-next 288, whatever --block-size says); the SSM state is kept in
-float32. Prefix caching (on by default) selects mamba_cache_mode "align",
-in which a Mamba2 prefill crossing a block boundary (granite-h: a prompt of
-more than 160 tokens) kills the engine ("IndexError: index 6 is out of
-bounds for dimension 0 with size 1", mamba_mixer2.py: the CPU SSD kernel
-returns no per-chunk states); pass --no-enable-prefix-caching (mode
-"none") for longer prompts. Under NixlConnector the conv state must be laid
+float32 on CPUs with AVX-512-bf16 (bf16 elsewhere, a smaller Mamba page
+and so a smaller attention block). Prefix caching (on by default) selects
+mamba_cache_mode "align", in which a Mamba2 prefill crossing a block
+boundary killed the engine ("IndexError: index 6 is out of bounds for
+dimension 0 with size 1", mamba_mixer2.py) until the series' patch 0017
+(docs/mamba.md). Under NixlConnector the conv state must be laid
 out DS: vLLM picks it when kv_connector is NixlConnector itself, not when
 it is wrapped (the demo's fault connector): then set
 VLLM_SSM_CONV_STATE_LAYOUT=DS.

@@ -101,14 +101,17 @@ def gate_env(tree: Path) -> dict:
 
 
 def run_file(tree: Path, rel: str, out_dir: Path) -> tuple[str, dict[str, str], float, str]:
-    outcomes = out_dir / (rel.replace("/", "__") + ".txt")
+    """Run one upstream test file (or one test id) on `tree`: (rel, outcome by
+    test id, seconds, the log's last line)."""
+    stem = "".join(c if c.isalnum() or c in "._-" else "_" for c in rel.replace("/", "__"))
+    outcomes = out_dir / (stem + ".txt")
     outcomes.unlink(missing_ok=True)
     env = gate_env(tree)
     env["KVCS_OUTCOMES"] = str(outcomes)
     start = time.monotonic()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "outcomes_plugin",
            "-p", "no:randomly", f"--timeout={TEST_TIMEOUT_S}", rel]
-    log_path = out_dir / (rel.replace("/", "__") + ".log")
+    log_path = out_dir / (stem + ".log")
     with open(log_path, "w") as log_file:
         proc = subprocess.run(cmd, cwd=tree, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     elapsed = time.monotonic() - start
@@ -165,13 +168,45 @@ def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only
     baseline = [ln.strip() for ln in BASELINE.read_text().splitlines() if ln.strip()]
     if only:
         baseline = [n for n in baseline if n.split("::", 1)[0] in files]
-    regressed = [n for n in baseline if all_results.get(n) != "passed"]
+    rerun_dir = out_dir / "rerun"
+    rerun_dir.mkdir(exist_ok=True)
+
+    def rerun(nodeid: str) -> str:
+        _, results, elapsed, tail = run_file(tree, nodeid, rerun_dir)
+        log(f"  rerun alone: {nodeid}: {results.get(nodeid, 'not run')} ({elapsed:.0f} s) | {tail}")
+        return results.get(nodeid, "not run")
+
+    regressed, flaky_now = classify_failures(baseline, all_results, rerun)
     total = sum(1 for o in all_results.values() if o == "passed")
+    if flaky_now:
+        print(f"\nupstream gate: {len(flaky_now)} baseline test(s) failed once and passed when rerun alone "
+              "(flaky here, not a regression):", flush=True)
+        for n in flaky_now:
+            print(f"  flaky ({all_results.get(n, 'not run')}, then passed alone): {n}", flush=True)
     if regressed:
         print(f"\nupstream gate FAILED: {len(regressed)} of {len(baseline)} baseline tests do not pass "
               "on the patched tree:", flush=True)
         for n in regressed:
             print(f"  {all_results.get(n, 'not run')}: {n}", flush=True)
         return 1
-    print(f"\nupstream gate: {len(baseline)} passed, 0 failed (baseline tests; {total} passed in all)", flush=True)
+    print(f"\nupstream gate: {len(baseline)} passed, 0 failed (baseline tests; {total} passed in all"
+          + (f", {len(flaky_now)} of them on a rerun alone" if flaky_now else "") + ")", flush=True)
     return 0
+
+
+# More baseline failures than this in one run is no flake: they are not rerun.
+MAX_RERUNS = 10
+
+
+def classify_failures(baseline: list[str], results: dict[str, str], rerun) -> tuple[list[str], list[str]]:
+    """(regressed, flaky): a baseline test that did not pass is rerun alone
+    once (`rerun(nodeid)` gives its outcome); passing then, it is flaky (a
+    timeout under load, say), else a regression. With more than MAX_RERUNS
+    failures nothing is rerun and every one is a regression."""
+    failed = [n for n in baseline if results.get(n) != "passed"]
+    if len(failed) > MAX_RERUNS:
+        return failed, []
+    regressed, flaky = [], []
+    for n in failed:
+        (flaky if rerun(n) == "passed" else regressed).append(n)
+    return regressed, flaky

