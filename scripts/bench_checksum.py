@@ -199,6 +199,19 @@ def optional_peers(raw: list[np.ndarray]) -> list:
     return peers
 
 
+def cpu_vector_flags() -> str:
+    """The x86 vector features this machine's CPU reports (machines of one
+    kind differ: AVX2 only, or AVX-512 with or without bf16 and AMX), so each
+    figure says which it was measured on."""
+    wanted = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "asimd", "sve")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith(("flags", "Features"))), [])
+    except OSError:
+        return "unknown"
+    return " ".join(w for w in wanted if w in flags) or "none of " + "/".join(wanted)
+
+
 def compiled_prototype(view: LayerView):
     """The single-pass C prototype (scripts/bench_fused_cpu.c), built with the
     machine's gcc for this CPU, as a function of (ids, t0) giving the rows'
@@ -391,7 +404,8 @@ def main() -> int:
             print("(c) CUDA: skipped, no CUDA device")
         else:
             tables.append(table)
-    header = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+    header = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
+              f"(vector flags: {cpu_vector_flags()}; the C prototype is built -march=native for them), "
               f"torch {torch.__version__}, numpy {np.__version__}"
               f"{', quick' if args.quick else ''}")
     print(header)

@@ -396,6 +396,8 @@ def measure_ttft(on: Setup, off: Setup, proxy: str, n: int) -> dict:
     """Time to first token through the proxy (prefill, transfer, first decode
     token: max_tokens=1), checksums on vs off, alternating, in the same run."""
     times: dict[str, list[float]] = {"on": [], "off": []}
+    failed = {"on": 0, "off": 0}
+    errors: dict[str, str] = {"on": "", "off": ""}
     set_faults(on, None)
     with httpx.Client(trust_env=False) as client:
         for i in range(n + 1):
@@ -403,9 +405,12 @@ def measure_ttft(on: Setup, off: Setup, proxy: str, n: int) -> dict:
             for label, setup in order:
                 rid = f"demo.ttft.{label}.{i:03d}.r"
                 t0 = time.perf_counter()
-                status, _ = completion(client, f"{proxy}/pairs/{setup.name}", prompt_of(rid), max_tokens=1,
-                                       request_id=rid)
+                status, body = completion(client, f"{proxy}/pairs/{setup.name}", prompt_of(rid), max_tokens=1,
+                                          request_id=rid)
                 elapsed = time.perf_counter() - t0
+                if status != 200:
+                    failed[label] += 1
+                    errors[label] = errors[label] or f"HTTP {status}: {error_of(body)[:160]}"
                 if i > 0 and status == 200:  # the first pair warms both paths up
                     times[label].append(elapsed)
     # The two pairs take turns (and turns which goes first), so both see the
@@ -413,6 +418,7 @@ def measure_ttft(on: Setup, off: Setup, proxy: str, n: int) -> dict:
     p50 = {k: statistics.median(v) * 1000 if v else None for k, v in times.items()}
     ratio = p50["on"] / p50["off"] if p50["on"] and p50["off"] else None
     return {"requests_each": n, "on_p50_ms": p50["on"], "off_p50_ms": p50["off"], "ratio": ratio,
+            "failed": failed, "errors": errors,
             "on_ms": [t * 1000 for t in times["on"]], "off_ms": [t * 1000 for t in times["off"]]}
 
 
@@ -523,6 +529,11 @@ def build_report(args, setups, results, hostile, ttft, startup, wall, errors=Non
                          f"{h['next_request_status']}" for h in hostile[s.name] if not h["ok"]]
         report["setups"].append(entry)
     report["ttft"] = ttft
+    if ttft is not None and ttft.get("failed"):
+        # A pair that cannot serve is a failed run, not a missing figure (the
+        # checksums-off baseline once died on every request unnoticed).
+        failures += [f"TTFT {label}: {n} of {ttft['requests_each'] + 1} requests failed ({ttft['errors'][label]})"
+                     for label, n in ttft["failed"].items() if n]
     report["failures"] = failures
     report["ok"] = not failures
     return report

@@ -775,7 +775,7 @@ INJECTION_KEYS = ["request_id", "kind", "group", "positions", "block_ids", "skip
                   "reason", "reported", "status", "output_equal", "ok", "problem", "timings_ms"]
 HOSTILE_KEYS = ["payload", "status", "error", "verdict", "reason", "next_request_status", "ok"]
 STARTUP_KEYS = ["producer", "consumer"]  # startup_log: each server's lines
-TTFT_KEYS = ["requests_each", "on_p50_ms", "off_p50_ms", "ratio", "on_ms", "off_ms"]
+TTFT_KEYS = ["requests_each", "on_p50_ms", "off_p50_ms", "ratio", "failed", "errors", "on_ms", "off_ms"]
 
 
 def schema_text() -> str:
@@ -817,11 +817,20 @@ def report_inputs(*, bad_positions=False, hostile_ok=True):
         {"payload": "extreme_values", "status": 503, "error": "kv_checksum_unverified: bounds",
          "verdict": "unverified", "reason": "layout_mismatch", "next_request_status": 200, "ok": True}]}
     ttft = {"requests_each": 2, "on_p50_ms": 105.0, "off_p50_ms": 100.0, "ratio": 1.05, "on_ms": [104.0, 106.0],
-            "off_ms": [99.0, 101.0]}
+            "off_ms": [99.0, 101.0], "failed": {"on": 0, "off": 0}, "errors": {"on": "", "off": ""}}
     startup = {"llama": {"producer": ["KV checksums enabled"], "consumer": ["KV checksums enabled (fail)"]},
                "baseline-off": {"producer": [], "consumer": []}}
     args = argparse.Namespace(device="cpu", mode="pull", requests=1, kinds=["flip_bit"])
     return args, [llama, off], results, hostile, ttft, startup, 12.345
+
+
+def test_a_ttft_pair_that_fails_requests_fails_the_run():
+    args, setups, results, hostile, ttft, startup, wall = report_inputs()
+    ttft = dict(ttft, off_p50_ms=None, ratio=None, off_ms=[], failed={"on": 0, "off": 3},
+                errors={"on": "", "off": "HTTP 500: EngineCore encountered an issue"})
+    report = build_report(args, setups, results, hostile, ttft, startup, wall)
+    assert report["ok"] is False
+    assert report["failures"] == ["TTFT off: 3 of 3 requests failed (HTTP 500: EngineCore encountered an issue)"]
 
 
 def test_build_report_schema_and_values():

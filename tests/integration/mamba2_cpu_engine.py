@@ -39,6 +39,12 @@ def batches(block: int) -> dict:
     }
 
 
+def logprobs_of(completion) -> list[float]:
+    """The log probability of each generated token: a wrong state that leaves
+    the greedy tokens as they are (a tiny random model) still moves these."""
+    return [lp[tok].logprob for tok, lp in zip(completion.token_ids, completion.logprobs)]
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
 
@@ -56,8 +62,9 @@ def main() -> None:
     for name, batch in batches(block).items():
         max_tokens = batch["max_tokens"]
         outs = llm.generate([{"prompt_token_ids": p} for p in batch["prompts"]],
-                            SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
-        answer[name] = [[list(o.outputs[0].token_ids), o.num_cached_tokens] for o in outs]
+                            SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0), use_tqdm=False)
+        answer[name] = [[list(o.outputs[0].token_ids), o.num_cached_tokens, logprobs_of(o.outputs[0])]
+                        for o in outs]
     print("ANSWER " + json.dumps(answer), flush=True)
     llm.llm_engine.engine_core.shutdown()
 

@@ -49,13 +49,24 @@ def runs(tmp_path_factory):
     return cache["block_size"], cache, nocache
 
 
+# The largest difference between the two engines' log probabilities of a
+# generated token. Seen here: 0.0 for every prompt; a checkpoint whose SSM
+# state was not stored (its block left as it was) moved them by 0.015 and
+# 0.047 with the greedy tokens unchanged. The bound leaves room for kernels
+# of other CPUs summing in another order, not for a wrong state.
+LOGPROB_TOLERANCE = 5e-3
+
+
 def test_prefix_cached_outputs_equal_uncached_across_block_boundaries(runs):
     block, cache, nocache = runs
     for name in batches(block):
-        assert [out for out, _ in cache[name]] == [out for out, _ in nocache[name]], name
+        assert [out for out, _, _ in cache[name]] == [out for out, _, _ in nocache[name]], name
+        for (_, _, with_cache), (_, _, without) in zip(cache[name], nocache[name]):
+            assert max(abs(a - b) for a, b in zip(with_cache, without)) <= LOGPROB_TOLERANCE, (
+                name, with_cache, without)
     # Nothing is cached without prefix caching; with it, prompts sharing
     # a prefix past a block boundary hit it, in whole Mamba blocks.
-    assert all(cached == 0 for runs_ in nocache.values() if isinstance(runs_, list) for _, cached in runs_)
+    assert all(cached == 0 for runs_ in nocache.values() if isinstance(runs_, list) for _, cached, _ in runs_)
     assert cache["crossing"][0][1] == 0
     assert cache["shared_prefix"][0][1] == block
     assert cache["long_shared"][0][1] == 2 * block
