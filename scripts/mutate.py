@@ -4,7 +4,8 @@
     .venv/bin/python scripts/mutate.py tests/mutations.json [NAME ...]
 
 MUTATIONS.json lists {"name", "file", "old", "new", "tests": [...], "args": [...]}: `old`
-must occur exactly once in vllm_kvchecksum/FILE. Each mutant is a copy of
+must occur exactly once in vllm_kvchecksum/FILE (or, with "tree": "vllm", in
+build/vllm/FILE: a patch's own vLLM code, changed in place and restored). Each mutant is a copy of
 the package and the tests under /tmp/kvchecksum-mutants/NAME (build/ and
 .venv linked), where pytest runs: the copy comes first on sys.path, ahead
 of the editable install. Prints one line per mutant: killed (some test
@@ -26,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(mutation: dict) -> bool:
+    if mutation.get("tree") == "vllm":
+        return run_in_vllm_tree(mutation)
     dest = Path("/tmp/kvchecksum-mutants") / mutation["name"]
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
@@ -45,6 +48,33 @@ def run(mutation: dict) -> bool:
         raise SystemExit(f"{mutation['name']}: the mutant is not what imports ({check})")
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", *mutation.get("args", ()), *mutation["tests"]]
     proc = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    summary = lines[-1] if lines else proc.stderr.strip()[-200:]
+    killed = proc.returncode != 0
+    print(f"{mutation['name']}: {'killed' if killed else 'SURVIVED'} ({summary})", flush=True)
+    return killed
+
+
+def run_in_vllm_tree(mutation: dict) -> bool:
+    """A mutant of a patch's vLLM code ("tree": "vllm", `file` relative to
+    build/vllm): .venv imports build/vllm itself, so the file is changed in
+    place for the run and restored from git after it, whatever happens."""
+    tree = ROOT / "build" / "vllm"
+    path = tree / mutation["file"]
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", mutation["file"]], cwd=tree,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    if dirty:
+        raise SystemExit(f"{mutation['name']}: {path} has uncommitted changes; commit or restore it first")
+    text = path.read_text()
+    if text.count(mutation["old"]) != 1:
+        raise SystemExit(f"{mutation['name']}: `old` occurs {text.count(mutation['old'])} times in {path}")
+    path.write_text(text.replace(mutation["old"], mutation["new"]))
+    try:
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", *mutation.get("args", ()),
+               *mutation["tests"]]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    finally:
+        subprocess.run(["git", "checkout", "--", mutation["file"]], cwd=tree, check=True)
     lines = proc.stdout.strip().splitlines()
     summary = lines[-1] if lines else proc.stderr.strip()[-200:]
     killed = proc.returncode != 0

@@ -100,10 +100,25 @@ def gate_env(tree: Path) -> dict:
     return env
 
 
+def outcome_stem(rel: str) -> str:
+    """The name of a file's (or test id's) outcomes and log in the out folder:
+    its whole path, so test_config.py of two folders never share one."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in rel.replace("/", "__"))
+
+
+def rerun_alone(tree: Path, nodeid: str, out_dir: Path) -> str:
+    """Run one test id by itself on `tree`: its outcome, "not run" when pytest
+    recorded none for it (a collection error, an id that no longer exists)."""
+    _, results, elapsed, tail = run_file(tree, nodeid, out_dir)
+    outcome = results.get(nodeid, "not run")
+    log(f"  rerun alone: {nodeid}: {outcome} ({elapsed:.0f} s) | {tail}")
+    return outcome
+
+
 def run_file(tree: Path, rel: str, out_dir: Path) -> tuple[str, dict[str, str], float, str]:
     """Run one upstream test file (or one test id) on `tree`: (rel, outcome by
     test id, seconds, the log's last line)."""
-    stem = "".join(c if c.isalnum() or c in "._-" else "_" for c in rel.replace("/", "__"))
+    stem = outcome_stem(rel)
     outcomes = out_dir / (stem + ".txt")
     outcomes.unlink(missing_ok=True)
     env = gate_env(tree)
@@ -171,12 +186,7 @@ def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only
     rerun_dir = out_dir / "rerun"
     rerun_dir.mkdir(exist_ok=True)
 
-    def rerun(nodeid: str) -> str:
-        _, results, elapsed, tail = run_file(tree, nodeid, rerun_dir)
-        log(f"  rerun alone: {nodeid}: {results.get(nodeid, 'not run')} ({elapsed:.0f} s) | {tail}")
-        return results.get(nodeid, "not run")
-
-    regressed, flaky_now = classify_failures(baseline, all_results, rerun)
+    regressed, flaky_now = classify_failures(baseline, all_results, lambda n: rerun_alone(tree, n, rerun_dir))
     total = sum(1 for o in all_results.values() if o == "passed")
     if flaky_now:
         print(f"\nupstream gate: {len(flaky_now)} baseline test(s) failed once and passed when rerun alone "

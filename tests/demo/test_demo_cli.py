@@ -833,6 +833,31 @@ def test_a_ttft_pair_that_fails_requests_fails_the_run():
     assert report["failures"] == ["TTFT off: 3 of 3 requests failed (HTTP 500: EngineCore encountered an issue)"]
 
 
+def test_a_ttft_pair_that_fails_one_request_fails_the_run():
+    args, setups, results, hostile, ttft, startup, wall = report_inputs()
+    ttft = dict(ttft, failed={"on": 1, "off": 0}, errors={"on": "HTTP 502: ", "off": ""})
+    report = build_report(args, setups, results, hostile, ttft, startup, wall)
+    assert report["failures"] == ["TTFT on: 1 of 3 requests failed (HTTP 502: )"] and report["ok"] is False
+
+
+def test_measure_ttft_counts_every_failed_answer_warm_up_included(monkeypatch):
+    # The off pair fails its warm-up request only; the on pair serves all.
+    answers = {"demo.ttft.off.000.r": (500, {"error": {"message": "EngineCore encountered an issue"}})}
+    seen = []
+
+    def fake_completion(client, url, prompt, *, max_tokens, request_id):
+        seen.append(request_id)
+        return answers.get(request_id, (200, {}))
+
+    monkeypatch.setattr(demo, "completion", fake_completion)
+    on, off = (Setup(name, Path("m"), checksums=name == "on") for name in ("on", "off"))
+    t = demo.measure_ttft(on, off, "http://proxy", 2)
+    assert len(seen) == 6  # 2 requests each plus one warm-up each
+    assert t["failed"] == {"on": 0, "off": 1}
+    assert t["errors"] == {"on": "", "off": "HTTP 500: EngineCore encountered an issue"}
+    assert len(t["on_ms"]) == 2 and len(t["off_ms"]) == 2  # warm-ups are not timed
+
+
 def test_build_report_schema_and_values():
     report = build_report(*report_inputs())
     json.loads(json.dumps(report))  # serialisable as written

@@ -1,27 +1,11 @@
-import contextlib
-import logging
 import sys
 from pathlib import Path
 
 import pytest
+from log_capture import capture_logger
 
 # The independent NumPy reference of the definition lives with the unit tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-
-
-@contextlib.contextmanager
-def capture_logger(caplog, name: str):
-    """caplog gets logger `name`'s records, debug level and up, in the block."""
-    logger = logging.getLogger(name)
-    logger.addHandler(caplog.handler)  # vLLM's loggers do not propagate to the root
-    caplog.handler.setLevel(logging.DEBUG)
-    old = logger.level
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield caplog
-    finally:
-        logger.setLevel(old)
-        logger.removeHandler(caplog.handler)
 
 
 @pytest.fixture

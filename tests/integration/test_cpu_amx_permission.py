@@ -37,6 +37,8 @@ def test_cpu_worker_may_run_amx_before_its_first_request(tmp_path):
     answers = [ln for ln in proc.stdout.splitlines() if ln.startswith("ANSWER ")]
     assert proc.returncode == 0 and answers, (proc.stdout + proc.stderr)[-6000:]
     assert json.loads(answers[0][len("ANSWER "):]) == {"amx_permitted": [True]}
+    # Granted, so the worker says nothing about AMX (its warning is for a refusal).
+    assert "AMX tile state" not in proc.stdout + proc.stderr
 
 
 def test_this_test_process_reads_the_permission_as_the_engine_does():

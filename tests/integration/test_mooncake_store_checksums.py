@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from conftest import capture_logger
+from log_capture import capture_logger
 from pd_harness import make_config
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
                                         SlidingWindowSpec)
