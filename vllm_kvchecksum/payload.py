@@ -80,6 +80,29 @@ _COUNT_LIMIT = 2**63
 # refuses early what no producer can send.
 MAX_TOKENS = 2**40
 
+# Bytes a payload may spend besides its values: the header, and per group
+# its fields and the TP-local list entry (msgpack ints take at most 9 bytes).
+_FIXED_BYTES = 64
+_GROUP_BYTES = 64
+
+
+def max_packed_size(num_tokens: int, num_groups: int) -> int:
+    """The most msgpack bytes an honest payload of a request takes.
+
+    num_tokens: the request's tokens; num_groups: the consumer's transfer
+    groups. One uint64 per token and group (block size 1, the smallest
+    there is) plus the fields: far above any producer's payload (8 bytes
+    per block), and bounded by the request, so a short prompt cannot make
+    the scheduler decode megabytes.
+    """
+    return _FIXED_BYTES + max(num_groups, 1) * (_GROUP_BYTES + 8 * max(num_tokens, 1))
+
+
+def max_encoded_size(num_tokens: int, num_groups: int) -> int:
+    """max_packed_size as base64 text (kv_transfer_params)."""
+    return -(-max_packed_size(num_tokens, num_groups) // 3) * 4
+
+
 _BODY_FIELDS = ("num_tokens", "producer_tp_size", "groups")
 _GROUP_FIELDS = ("group_id", "fingerprint", "block_size", "start", "values")
 
@@ -229,14 +252,19 @@ class KVChecksumPayload:
     # -- reading ---------------------------------------------------------
 
     @classmethod
-    def decode(cls, text: str | bytes) -> KVChecksumPayload:
-        """Read a payload written by `encode`; ValueError for anything else."""
+    def decode(cls, text: str | bytes, max_size: int = MAX_PAYLOAD_BYTES) -> KVChecksumPayload:
+        """Read a payload written by `encode`; ValueError for anything else.
+
+        max_size: the longest text to decode (max_encoded_size of the
+        request, when it is known), at most MAX_PAYLOAD_BYTES.
+        """
         if not isinstance(text, (str, bytes)):
             raise ValueError(
                 f"KV checksum payload must be base64 text, got {type(text).__name__}")
-        if len(text) > MAX_PAYLOAD_BYTES:
+        limit = min(max_size, MAX_PAYLOAD_BYTES)
+        if len(text) > limit:
             raise ValueError(f"KV checksum payload of {len(text)} characters exceeds "
-                             f"the limit of {MAX_PAYLOAD_BYTES}")
+                             f"the limit of {limit}")
         try:
             packed = _base64.b64decode(text, validate=True)
         except (binascii.Error, ValueError) as exc:
@@ -244,14 +272,20 @@ class KVChecksumPayload:
         return cls.from_bytes(packed)
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> KVChecksumPayload:
-        """Read a payload written by `to_bytes`; ValueError for anything else."""
+    def from_bytes(cls, data: bytes | bytearray | memoryview,
+                   max_size: int = MAX_PACKED_BYTES) -> KVChecksumPayload:
+        """Read a payload written by `to_bytes`; ValueError for anything else.
+
+        max_size: the most bytes to decode (max_packed_size of the request,
+        when it is known), at most MAX_PACKED_BYTES.
+        """
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ValueError(f"KV checksum payload must be bytes, got {type(data).__name__}")
         try:
+            limit = min(max_size, MAX_PACKED_BYTES)
+            if len(data) > limit:
+                raise ValueError(f"{len(data)} bytes exceed the limit of {limit}")
             data = bytes(data)
-            if len(data) > MAX_PACKED_BYTES:
-                raise ValueError(f"{len(data)} bytes exceed the limit of {MAX_PACKED_BYTES}")
             return _payload_from_message(_unpack(data))
         except ValueError as exc:
             raise ValueError(f"invalid KV checksum payload: {exc}") from None

@@ -66,12 +66,16 @@ class KVChecksumScheduled:
     reqs_loaded: synchronous loads of offloaded KV that the connector performs
     in this step (before the forward uses them); checksummed after the
     step's forward, like a finished load.
+    step: the scheduler's number for this step, so the update of its output
+    judges this step's synchronous loads (with a batch queue or PP several
+    steps are in flight, and one request can load in two of them).
     """
 
     reqs_to_send: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     reqs_to_recv: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     reqs_to_forget: set[str] = field(default_factory=set)
     reqs_loaded: dict[str, KVChecksumBlocks] = field(default_factory=dict)
+    step: int = 0
 
     def is_empty(self) -> bool:
         return not (self.reqs_to_send or self.reqs_to_recv or self.reqs_to_forget or self.reqs_loaded)
@@ -92,6 +96,20 @@ class GroupChecksums:
     partials: dict[PartialKey, np.ndarray]
 
 
+class RecordPurpose:
+    """What a record's checksums are for (KVChecksumRecord.purpose).
+
+    One request can be a producer's send, an async load and a synchronous
+    load in the same step (a P/D producer whose prompt starts with KV loaded
+    back from an offloading tier); the worker says which, so the scheduler
+    never gives one purpose's checksums to another.
+    """
+
+    SEND = "send"
+    LOAD = "load"
+    SYNC_LOAD = "sync_load"
+
+
 @dataclass
 class KVChecksumRecord:
     """One worker's report for a step.
@@ -109,7 +127,9 @@ class KVChecksumRecord:
     `stored` holds, for loads of offloaded KV, the entries the connector
     wrote back with each loaded block (per request, per group, one uint64
     per block position, tags included); `offload_groups` are the groups the
-    worker keeps such entries for (fixed at startup).
+    worker keeps such entries for (fixed at startup). `purpose`: what the
+    checksums in `requests` are for (RecordPurpose): a producer's send, a
+    finished async load, or the step's synchronous loads.
     """
 
     tp_rank: int
@@ -124,6 +144,7 @@ class KVChecksumRecord:
     tp_local_groups: frozenset[int] = frozenset()
     stored: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
     offload_groups: frozenset[int] = frozenset()
+    purpose: str = RecordPurpose.LOAD
 
     @property
     def worker(self) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from vllm_kvchecksum.records import KVChecksumOutput, KVChecksumScheduled
+from vllm_kvchecksum.records import KVChecksumOutput, KVChecksumScheduled, RecordPurpose
 from vllm_kvchecksum.scheduler import kv_checksum_enabled
 from vllm_kvchecksum.worker import KVChecksumWorker
 
@@ -92,7 +92,7 @@ def checksum_loaded(worker: KVChecksumWorker | None,
     """
     if worker is None or scheduled is None or not scheduled.reqs_loaded:
         return None
-    return worker.compute(scheduled.reqs_loaded, replica_zero_only=False)
+    return worker.compute(scheduled.reqs_loaded, replica_zero_only=False, purpose=RecordPurpose.SYNC_LOAD)
 
 
 def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumScheduled | None,
@@ -118,7 +118,7 @@ def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumSchedule
         return None
     outputs = []
     if sends and scheduled is not None and scheduled.reqs_to_send:
-        outputs.append(worker.compute(scheduled.reqs_to_send, replica_zero_only=True))
+        outputs.append(worker.compute(scheduled.reqs_to_send, replica_zero_only=True, purpose=RecordPurpose.SEND))
     if recvs:
         if loaded is _NOT_YET:
             loaded = checksum_loaded(worker, scheduled)

@@ -35,8 +35,9 @@ from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY, KVChecksumCarrier
 from vllm_kvchecksum import metrics
 from vllm_kvchecksum.compare import CheckStatus, LoadVerdict, UnverifiedReason, compare_load, sum_producer
 from vllm_kvchecksum.offload import OFFLOADED_SOURCE, compare_offloaded
-from vllm_kvchecksum.payload import KVChecksumPayload
-from vllm_kvchecksum.records import KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord, KVChecksumScheduled
+from vllm_kvchecksum.payload import KVChecksumPayload, max_encoded_size, max_packed_size
+from vllm_kvchecksum.records import (KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord, KVChecksumScheduled,
+                                     RecordPurpose)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -178,10 +179,18 @@ class _Pending:
     missing_reason: str = ""
     # Consumer, connector-owned carrier: no copy of the checksums received yet.
     awaiting_connector: bool = False
+    # Consumer: the request's token count, which bounds the size of the
+    # producer's checksums decoded for it (payload.max_packed_size).
+    request_tokens: int = 0
     # A load of offloaded KV (blocks.offloaded): the request, and the hashes
     # of its loaded blocks per group (the tags are derived from them).
     request: Any = None
     block_hashes: dict[int, list] = field(default_factory=dict)
+    # A synchronous load: its request's blocks from the first loaded one on
+    # (per group), which no other request may hit until the verdict; and
+    # whether its request ended before that (judged, never failed).
+    held: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    ended: bool = False
 
 
 class KVChecksumScheduler:
@@ -206,8 +215,16 @@ class KVChecksumScheduler:
         self._step = KVChecksumScheduled()
         self._sends: dict[str, _Pending] = {}
         self._recvs: dict[str, _Pending] = {}
-        # Synchronous loads of offloaded KV scheduled in this step.
-        self._sync: dict[str, _Pending] = {}
+        # Synchronous loads of offloaded KV by the step that performs them
+        # (KVChecksumScheduled.step): with a batch queue several steps are in
+        # flight, and each load is judged with its own step's records.
+        self._sync: dict[int, dict[str, _Pending]] = {}
+        # The synchronous-load records of the output being processed
+        # (collect), for verify_sync_loads.
+        self._sync_records: list[KVChecksumRecord] = []
+        # Block ids of synchronous loads not judged yet (how many loads hold
+        # each): a local prefix-cache hit stops before them (usable_local_hit).
+        self._held: Counter[int] = Counter()
         self._warned: set[str] = set()
         # Verdicts so far ("verified", "mismatch", "unverified"), and
         # producer payloads "sent" / "not_sent": for logs and tests.
@@ -280,7 +297,7 @@ class KVChecksumScheduler:
             return
         blocks = KVChecksumBlocks(num_tokens, request_blocks(block_ids, self.layouts, num_local_tokens,
                                                              num_tokens, self.null_block_id))
-        pending = _Pending(blocks)
+        pending = _Pending(blocks, request_tokens=request.num_tokens)
         if carrier is KVChecksumCarrier.CONNECTOR:
             # The connector delivers them to the workers with the load (collect).
             pending.awaiting_connector = True
@@ -340,36 +357,79 @@ class KVChecksumScheduler:
             return
         pending = self._offloaded_pending(request, block_ids, num_local_tokens, num_tokens)
         if pending is not None:
-            self._sync[request.request_id] = pending
+            # vLLM caches these blocks now, and with a batch queue schedules
+            # the next step before this one's verdict: hold every block from
+            # the first loaded one on (those computed after it in this step
+            # attend to it) until then.
+            pending.held = {g: tuple(block_ids[g][b.start:]) for g, b in pending.blocks.groups.items()}
+            self._held.update(i for ids in pending.held.values() for i in ids)
+            self._sync.setdefault(self._step.step, {})[request.request_id] = pending
             self._step.reqs_loaded[request.request_id] = pending.blocks
 
-    def verify_sync_loads(self, scheduled: KVChecksumScheduled | None) -> tuple[set[int], dict[str, str]]:
+    def usable_local_hit(self, hit_blocks) -> int | None:
+        """How many blocks of a local prefix-cache hit a request may use, or None for all.
+
+        hit_blocks: the hit's blocks per KV cache group (KVCacheBlocks.blocks).
+        The hit stops before the first block a synchronous load holds whose
+        check has not passed (add_sync_load): no request runs on KV before
+        its verdict. Holds exist with one KV cache group only.
+        """
+        if not self._held:
+            return None
+        keep = min((next((i for i, block in enumerate(blocks) if block.block_id in self._held), len(blocks))
+                    for blocks in hit_blocks), default=0)
+        return keep if any(keep < len(blocks) for blocks in hit_blocks) else None
+
+    def _release(self, pending: _Pending) -> None:
+        self._held.subtract(i for ids in pending.held.values() for i in ids)
+        self._held = +self._held  # drop the zero counts
+
+    def verify_sync_loads(self, scheduled: KVChecksumScheduled | None
+                          ) -> tuple[set[int], dict[str, str], set[int]]:
         """Compare the synchronous loads of the step whose output this is.
 
         scheduled: that step's checksum requests (its SchedulerOutput's
-        kv_checksum_scheduled); its reqs_loaded are the loads whose records
-        came with the output. With a batch queue (async scheduling, PP) the
-        next step may already be scheduled: its loads wait for their own.
-        Returns the block ids to report invalid (vLLM then drops the step's
-        outputs of the requests using them and recomputes or fails them, by
-        kv_load_failure_policy) and, per failed request, the reason for the
-        client. Under fail-open both are empty; failures are only logged.
+        kv_checksum_scheduled); its loads are judged with the records that
+        came with the output (collect). With a batch queue (async scheduling,
+        PP) the next step may already be scheduled: its loads wait for their
+        own. Every load judged stops holding its blocks.
+        Returns:
+        - the block ids to report invalid (vLLM then drops the step's outputs
+          of the requests using them and recomputes or fails them, by
+          kv_load_failure_policy); empty under fail-open;
+        - per failed request, the reason for the client;
+        - the block ids to evict from the prefix cache, under any policy: of
+          each load that failed (the rule of on_kv_checksum_failure), its
+          request's blocks from the first bad one on, so no other request
+          hits them (the request itself keeps them until it drops them).
         """
         invalid: set[int] = set()
         reasons: dict[str, str] = {}
-        for rid in (scheduled.reqs_loaded if scheduled is not None else ()):
-            pending = self._sync.pop(rid, None)
-            if pending is None:
-                continue  # the request ended meanwhile
+        unusable: set[int] = set()
+        loads = self._sync.pop(scheduled.step, {}) if scheduled is not None else {}
+        records, self._sync_records = self._sync_records, []
+        for record in records:
+            for rid in record.requests:
+                if rid in loads:
+                    loads[rid].records.append(record)
+        for rid, pending in loads.items():
+            self._release(pending)
             verdict = self._judge(rid, pending)
-            if verdict is None or verdict.status is CheckStatus.VERIFIED or not self.fail_closed:
+            if verdict is None or verdict.status is CheckStatus.VERIFIED:
+                continue
+            failed = self._failed_positions(pending, verdict)
+            if failed is None:
+                continue
+            for gid, positions in failed.items():
+                start = pending.blocks.groups[gid].start
+                unusable.update(pending.held[gid][min(positions, default=start) - start:])
+            if not self.fail_closed or pending.ended:
                 continue
             reasons[rid] = client_reason(verdict)
-            for gid, blocks in pending.blocks.groups.items():
-                bad = verdict.mismatched_blocks.get(gid)
-                positions = range(blocks.start, blocks.start + len(blocks.block_ids)) if bad is None else bad
+            for gid, positions in failed.items():
+                blocks = pending.blocks.groups[gid]
                 invalid.update(blocks.block_ids[p - blocks.start] for p in positions)
-        return invalid, reasons
+        return invalid, reasons, unusable
 
     def _offloaded_pending(self, request: Request, block_ids, num_local_tokens: int, num_tokens: int,
                            count: bool = True) -> _Pending | None:
@@ -408,17 +468,22 @@ class KVChecksumScheduler:
             return None
         return _Pending(KVChecksumBlocks(num_tokens, groups, offloaded=True), request=request, block_hashes=hashes)
 
-    @staticmethod
-    def _decode_expected(pending: _Pending, req_id: str, data, source: str) -> None:
+    def _decode_expected(self, pending: _Pending, req_id: str, data, source: str) -> None:
         """Decode the producer's checksums of a load into `pending` (or say why not).
 
         `data` is untrusted (a client's kv_transfer_params, or bytes another
-        host sent through the connector): the decoder's own limits bound its
-        work, and nothing it raises escapes into the engine loop.
+        host sent through the connector): it is decoded only up to the size
+        the request's own tokens and this model's groups allow (anything
+        longer makes the load unverified), so a short prompt costs the
+        engine loop little whatever it carries; nothing the decoder raises
+        escapes into the engine loop.
         """
+        groups = len(self.layouts)
         try:
-            pending.expected = (KVChecksumPayload.from_bytes(data) if isinstance(data, (bytes, bytearray))
-                                else KVChecksumPayload.decode(data))
+            pending.expected = (
+                KVChecksumPayload.from_bytes(data, max_packed_size(pending.request_tokens, groups))
+                if isinstance(data, (bytes, bytearray))
+                else KVChecksumPayload.decode(data, max_encoded_size(pending.request_tokens, groups)))
         except ValueError as exc:
             pending.missing_reason = f"the producer's KV checksums ({source}) are invalid: {exc}"
         except Exception as exc:
@@ -437,7 +502,7 @@ class KVChecksumScheduler:
         keep them), loads to forget, and sends. A steady step with loads in
         flight sends nothing.
         """
-        step, self._step = self._step, KVChecksumScheduled()
+        step, self._step = self._step, KVChecksumScheduled(step=self._step.step + 1)
         return None if step.is_empty() else step
 
     def collect(self, output: KVChecksumOutput | None) -> None:
@@ -445,8 +510,14 @@ class KVChecksumScheduler:
         if not output:
             return
         for record in output.finalize():
+            # By purpose: one request can be sent, loaded and sync-loaded in
+            # one step, each with its own blocks and workers.
+            if record.purpose == RecordPurpose.SYNC_LOAD:
+                self._sync_records.append(record)
+                continue
+            table = self._sends if record.purpose == RecordPurpose.SEND else self._recvs
             for rid in record.requests:
-                pending = self._sends.get(rid) or self._recvs.get(rid) or self._sync.get(rid)
+                pending = table.get(rid)
                 if pending is not None:
                     pending.records.append(record)
             for rid, data in record.received.items():
@@ -581,20 +652,25 @@ class KVChecksumScheduler:
             self._offloaded_failed(pending, verdict)
         return verdict
 
-    def _offloaded_failed(self, pending: _Pending, verdict: LoadVerdict) -> None:
-        """Let the connector drop the offloaded KV that failed its check.
+    def _failed_positions(self, pending: _Pending, verdict: LoadVerdict) -> dict[int, tuple[int, ...]] | None:
+        """The block positions of an offloaded load that failed, per group, or None to keep them.
 
         A mismatch, under either policy: the stored value is bad, so a retry
-        or another request with the same prefix must not load it again. An
-        unverified load under fail-closed: its blocks cannot be trusted and
-        are not used, so they are dropped too (every loaded position);
+        or another request with the same prefix must not load (or hit) it
+        again. An unverified load under fail-closed: its blocks cannot be
+        trusted and are not used, so every loaded position counts as failed;
         otherwise the retry would load them again and fail again.
         """
         if verdict.status is CheckStatus.MISMATCH:
-            bad = verdict.mismatched_blocks
-        elif self.fail_closed:
-            bad = {g: tuple(range(b.start, b.start + len(b.block_ids))) for g, b in pending.blocks.groups.items()}
-        else:
+            return verdict.mismatched_blocks
+        if self.fail_closed:
+            return {g: tuple(range(b.start, b.start + len(b.block_ids))) for g, b in pending.blocks.groups.items()}
+        return None
+
+    def _offloaded_failed(self, pending: _Pending, verdict: LoadVerdict) -> None:
+        """Let the connector drop the offloaded KV that failed its check (_failed_positions)."""
+        bad = self._failed_positions(pending, verdict)
+        if bad is None:
             return
         request = pending.request
         try:
@@ -651,8 +727,15 @@ class KVChecksumScheduler:
     def forget(self, req_id: str) -> None:
         """The request ended (or its load failed): drop what is kept for it."""
         self._sends.pop(req_id, None)
-        self._sync.pop(req_id, None)
-        self._step.reqs_loaded.pop(req_id, None)
+        if self._step.reqs_loaded.pop(req_id, None) is not None:
+            # Not sent to the workers yet: no records will come for it.
+            self._release(self._sync[self._step.step].pop(req_id))
+        for loads in self._sync.values():
+            if req_id in loads:
+                # Its step ran: judged with that step's records (its blocks,
+                # cached and now free, leave the prefix cache if it failed),
+                # but there is no request left to fail.
+                loads[req_id].ended = True
         if self._drop_recv(req_id) is not None:
             self._metrics[metrics.labelled(metrics.NOT_COMPARED, "request_ended")] += 1
         self._step.reqs_to_send.pop(req_id, None)

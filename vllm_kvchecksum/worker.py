@@ -25,7 +25,8 @@ import torch
 
 from vllm_kvchecksum.group_plan import GroupPlan, TPPosition, plan_groups
 from vllm_kvchecksum.host_copy import PendingHostCopy, new_copy_stream
-from vllm_kvchecksum.records import GroupChecksums, KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord
+from vllm_kvchecksum.records import (GroupChecksums, KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord,
+                                     RecordPurpose)
 from vllm_kvchecksum.offload import block_checksum_tags
 from vllm_kvchecksum.rows import BLOCK_IDS, RequestBlocks, build_rows
 
@@ -113,7 +114,7 @@ class KVChecksumWorker:
                 if rid in self._pending_recvs and isinstance(data, (bytes, bytearray))}
         loaded = {rid: self._pending_recvs.pop(rid) for rid in finished_recving or () if rid in self._pending_recvs}
         if loaded:
-            output = self.compute(loaded, replica_zero_only=False)
+            output = self.compute(loaded, replica_zero_only=False, purpose=RecordPurpose.LOAD)
         elif kept:
             output = KVChecksumOutput([self.new_record()])
         else:
@@ -143,11 +144,14 @@ class KVChecksumWorker:
             return RequestBlocks(blocks.block_ids, 0, len(blocks.block_ids))
         return RequestBlocks(blocks.block_ids, blocks.start, num_tokens)
 
-    def compute(self, reqs: Mapping[str, KVChecksumBlocks], *, replica_zero_only: bool) -> KVChecksumOutput:
+    def compute(self, reqs: Mapping[str, KVChecksumBlocks], *, replica_zero_only: bool,
+                purpose: str | None = None) -> KVChecksumOutput:
         """Queue the checksums of `reqs`' blocks; the values arrive with the output.
 
         replica_zero_only: a producer sends replica 0 only; a consumer checks
         every replica of replicated layers, so it computes them all.
+        purpose: what the record is for (RecordPurpose); by default a send
+        with replica_zero_only, else a finished load.
         Loads of offloaded KV (KVChecksumBlocks.offloaded) cover the groups
         this worker stores entries for, and also report those entries, as
         the connector wrote them back (KVChecksumRecord.stored).
@@ -155,6 +159,7 @@ class KVChecksumWorker:
         current stream and the copy to host waits on it.
         """
         record = self.new_record()
+        record.purpose = purpose or (RecordPurpose.SEND if replica_zero_only else RecordPurpose.LOAD)
         for req_id, blocks in reqs.items():
             record.requests[req_id] = {}
             record.num_tokens[req_id] = blocks.num_tokens

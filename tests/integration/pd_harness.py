@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -281,12 +282,15 @@ def make_config(role: str, tp: int, pp: int, block_size: int, *, enable: bool = 
 
 
 def make_side(role: str, tp: int = 1, pp: int = 1, block_size: int = 16, *, sliding_window: int | None = None,
-              merged_sliding_window: int | None = None, heads: int = NUM_HEADS, **config_kw) -> Side:
+              merged_sliding_window: int | None = None, heads: int = NUM_HEADS, batch_queue: bool = False,
+              **config_kw) -> Side:
     """One instance. sliding_window: layers 1 and 3 form a SlidingWindowSpec
     group (the hybrid KV cache manager). merged_sliding_window: the hybrid
     manager is off, so vLLM merges every layer into one FullAttentionSpec
     group carrying that sliding_window (Gemma-2 style with
-    --disable-hybrid-kv-cache-manager)."""
+    --disable-hybrid-kv-cache-manager). batch_queue: vLLM's AsyncScheduler,
+    the one its engine runs with async scheduling (the default), so a test
+    can schedule step N+1 before step N's update as the batch queue does."""
     vllm_config = make_config(role, tp, pp, block_size, **config_kw)
     groups = [(list(range(NUM_LAYERS)) if sliding_window is None else [0, 2], None)]
     if sliding_window is not None:
@@ -318,8 +322,11 @@ def make_side(role: str, tp: int = 1, pp: int = 1, block_size: int = 16, *, slid
                     for layers, window in groups]
     sched_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=sched_groups)
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=sched_config, log_stats=True,
-                          structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
+    if batch_queue:
+        vllm_config.scheduler_config.async_scheduling = True
+    scheduler_cls = AsyncScheduler if batch_queue else Scheduler
+    scheduler = scheduler_cls(vllm_config=vllm_config, kv_cache_config=sched_config, log_stats=True,
+                              structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
     side = Side(scheduler, workers, block_size, [(layers, w) for layers, w in groups])
     side.remote_ids = {}
     return side

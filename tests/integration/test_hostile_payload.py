@@ -22,11 +22,13 @@ import tracemalloc
 from typing import NamedTuple
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pd_harness import Side, load, make_request, make_side, prefill, prompt_of, stats
 
+import vllm_kvchecksum.payload as payload_module
 import vllm_kvchecksum.scheduler as scheduler_module
 from vllm_kvchecksum.payload import PAYLOAD_VERSION, KVChecksumPayload, PayloadGroup
 
@@ -253,7 +255,7 @@ def test_an_error_while_decoding_leaves_the_load_unverified(monkeypatch, logs):
 
     class ExplodingPayload:
         @staticmethod
-        def decode(text):
+        def decode(text, *limits):
             raise MemoryError("injected by the test")
 
     monkeypatch.setattr(scheduler_module, "KVChecksumPayload", ExplodingPayload)
@@ -427,3 +429,75 @@ def test_forged_field_values_never_crash_the_consumer(instances, data):
         # are compared (or nothing), never what they are compared with.
         assert forgery.same_checksums(instances.real), forgery
     event(outcome.split(" (")[0])  # the verdict and reasons, without block lists
+
+
+# -- a payload's size is bounded by its request -------------------------------
+
+
+def _oversized_payload() -> KVChecksumPayload:
+    """Well-formed, about 0.6 MB, far under the global limit: what a 77-token
+    prompt's producer could never send."""
+    return KVChecksumPayload(num_tokens=PROMPT, producer_tp_size=1, groups={
+        g: PayloadGroup(fingerprint=1, block_size=1, start=0, values=np.zeros(PROMPT, dtype=np.uint64))
+        for g in range(1000)})
+
+
+@pytest.fixture
+def decoded(monkeypatch):
+    """The sizes of the payloads msgpack-decoded while the test runs."""
+    sizes = []
+    real = payload_module._unpack
+
+    def unpack(data):
+        sizes.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(payload_module, "_unpack", unpack)
+    return sizes
+
+
+def test_a_payload_larger_than_its_request_allows_is_not_decoded(decoded, logs):
+    """A 77-token prompt carrying a large payload in kv_transfer_params: not
+    decoded, the load unverified with the reason; the next load verifies."""
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=True, policy="fail")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    result = load(C, P, preq, {**params, "kv_checksums": _oversized_payload().encode()})
+    assert decoded == []  # refused before base64 or msgpack ran
+    assert stats(C) == {"unverified": 1}
+    out = result.outputs[result.request.request_id]
+    assert out.finish_reason.name == "ERROR" and "no_producer_checksums" in out.stop_reason
+    assert "exceeds the limit of" in logs.text
+    assert_clean_load_verifies(P, C, seed=1)
+    assert decoded  # the honest payload was decoded
+
+
+def test_bytes_a_connector_delivers_are_bounded_by_the_request_too(decoded):
+    """The same bound for bytes from a push notif or a Mooncake response."""
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=True, policy="fail")
+    _, params = prefill(P, prompt_of(PROMPT))
+    text = params.pop("kv_checksums")
+    req = make_request(prompt_of(PROMPT), params=params, block_size=16)
+    C.scheduler.add_request(req)
+    C.step()
+    checksums = C.scheduler.kv_checksum
+    pending = checksums._recvs[req.request_id]
+    checksums._decode_expected(pending, req.request_id, _oversized_payload().to_bytes(), "connector message")
+    assert pending.expected is None and "exceed the limit of" in pending.missing_reason
+    assert decoded == []
+    honest = KVChecksumPayload.decode(text).to_bytes()
+    decoded.clear()
+    checksums._decode_expected(pending, req.request_id, honest, "connector message")
+    assert pending.expected is not None and decoded == [len(honest)]
+
+
+def test_a_long_prompts_honest_payload_is_within_its_bound(decoded):
+    """The bound grows with the request: 40 blocks of checksums (far more
+    than a short prompt's bound) decode and verify."""
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=True, policy="fail")
+    preq, params = prefill(P, prompt_of(16 * 40 + 5))
+    load(C, P, preq, params)
+    assert stats(C) == {"verified": 1}
+    assert max(decoded) > 40 * 8

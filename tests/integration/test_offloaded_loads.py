@@ -13,9 +13,11 @@ import logging
 import pytest
 import torch
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 from offload_harness import (STORE, host_connector, load_prompt, load_prompt_sync, make_offload_side, perform_loads,
                              store_prompt)
-from pd_harness import ReportingConnector, forward_of, make_config, make_request, prompt_of, runner_step, stats
+from pd_harness import (ReportingConnector, forward_of, load, make_config, make_request, make_side, prompt_of, runner_step,
+                        stats)
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from vllm_kvchecksum.offload import BlockChecksumRun
@@ -315,10 +317,11 @@ def test_sync_load_is_judged_with_its_own_steps_output(logs):
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_sync_load_is_checksummed_before_a_save_can_refill_its_entries(runner, logs):
-    """A second request of the same step hits the synchronously loaded blocks
-    in the prefix cache and saves them (refilling their entries from the
-    loaded, corrupt KV) in wait_for_save: the model runners checksum the
-    load, entries included, before that, so the corruption is still found."""
+    """A save in the step of a synchronous load refills the entries of the
+    loaded blocks from the loaded, corrupt KV in wait_for_save: the model
+    runners checksum the load, entries included, before that, so the
+    corruption is still found. (A second request of the step no longer hits
+    the loaded blocks before their verdict, so it loads, and fails, its own.)"""
     A, B = make_offload_side(), make_offload_side(fail_closed=True, policy="recompute")
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
@@ -332,15 +335,15 @@ def test_sync_load_is_checksummed_before_a_save_can_refill_its_entries(runner, l
     connector = ReportingConnector(B.scheduler.vllm_config, B.scheduler.kv_cache_config)
     connector.start_load_kv = lambda forward_context, **kw: perform_loads(B)
 
-    def save_r2():  # what a store connector's wait_for_save does for r2's first save
-        ids = B.scheduler.kv_cache_manager.get_block_ids(r2.request_id)[0][:FULL]
-        assert ids == B.scheduler.kv_cache_manager.get_block_ids(r1.request_id)[0][:FULL]
-        worker.checksums.save_block_checksums([BlockChecksumRun(0, 0, ids, r2.block_hashes[:FULL])])
+    def save_r1_blocks():  # a store connector's wait_for_save saving the loaded blocks in the same step
+        ids = B.scheduler.kv_cache_manager.get_block_ids(r1.request_id)[0][:FULL]
+        assert not set(ids) & set(B.scheduler.kv_cache_manager.get_block_ids(r2.request_id)[0])
+        worker.checksums.save_block_checksums([BlockChecksumRun(0, 0, ids, r1.block_hashes[:FULL])])
 
-    connector.wait_for_save = save_r2
+    connector.wait_for_save = save_r1_blocks
     runner_step(B, runner, connector=connector)
-    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
-    assert host_connector(B).failures == [(r1.request_id, {0: (2,)})]
+    assert stats(B) == {"mismatch": 2, "offloaded_mismatch": 2}, logs.text
+    assert sorted(host_connector(B).failures) == sorted((r.request_id, {0: (2,)}) for r in (r1, r2))
 
 
 def test_loads_of_groups_without_entries_are_not_checked_nor_failed(logs):
@@ -372,3 +375,209 @@ def test_unverified_offloaded_load_fail_closed_drops_its_blocks(logs):
     assert result.failures == [(result.request.request_id, {0: tuple(range(FULL))})]
     assert not any(h in STORE for h in hashes)
     assert result.next_scheduled == PROMPT  # recomputed: nothing left to load
+
+
+# -- a batch queue: step N+1 is scheduled before step N's update --------------
+
+
+def _sync_load_then_next_step(B, prompt, *, second=None):
+    """r1 loads `prompt`'s KV synchronously in step N (its forward and its
+    workers' checksums run); then, as vLLM's batch queue does, step N+1 is
+    scheduled before step N's update, with `second` (a request sharing the
+    prefix) added just before it. (r1, out_n, merged_n, out_next)."""
+    host_connector(B).load_async = False
+    r1 = make_request(prompt, block_size=BS, max_tokens=4)
+    B.scheduler.add_request(r1)
+    out_n = B.scheduler.schedule()
+    assert r1.request_id in out_n.kv_checksum_scheduled.reqs_loaded
+    perform_loads(B)
+    forward_of(B, r1)(out_n)
+    merged_n = B.run_workers(out_n)
+    if second is not None:
+        B.scheduler.add_request(second)
+    out_next = B.scheduler.schedule()
+    return r1, out_n, merged_n, out_next
+
+
+def _run_step(B, out, *reqs):
+    perform_loads(B)
+    for req in reqs:
+        forward_of(B, req)(out)
+    return B.run_workers(out)
+
+
+def _loaded_ids(B, req) -> list[int]:
+    return B.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0][:FULL]
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_sync_loaded_blocks_are_not_shared_before_their_verdict(policy, logs):
+    """Batch queue: r2 shares r1's prefix and is scheduled in step N+1, before
+    step N's update compares r1's synchronous load (block 2 corrupt in the
+    store). r2 must not run on r1's unchecked blocks; it loads its own, which
+    are checked in their own step, and both end (or recompute) with the
+    checksum's reason."""
+    A = make_offload_side()
+    B = make_offload_side(fail_closed=True, policy=policy, batch_queue=True)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 2)
+    r2 = make_request(prompt + [7, 8, 9], block_size=BS, max_tokens=2)
+    r1, out_n, merged_n, out_next = _sync_load_then_next_step(B, prompt, second=r2)
+    assert r2.request_id in out_next.num_scheduled_tokens
+    assert not set(_loaded_ids(B, r1)) & set(B.scheduler.kv_cache_manager.get_block_ids(r2.request_id)[0])
+    merged_next = _run_step(B, out_next, r1, r2)
+    outs_n = B.update(out_n, merged_n)
+    outs_next = B.update(out_next, merged_next)
+    assert stats(B) == {"mismatch": 2, "offloaded_mismatch": 2}, logs.text
+    if policy == "fail":
+        for req, outs in ((r1, outs_n), (r2, outs_next)):
+            assert req.is_finished() and outs[req.request_id].finish_reason.name == "ERROR"
+            assert req.stop_reason.startswith("kv_checksum_mismatch"), (req.request_id, req.stop_reason)
+    else:
+        assert not r2.is_finished() and r2.num_computed_tokens == 2 * BS
+        assert r2.request_id not in outs_next or not outs_next[r2.request_id].new_token_ids
+
+
+def test_sync_loaded_blocks_are_shared_once_verified(logs):
+    """The hold ends with the verdict: after step N's update verifies r1's
+    load, a request with the same prefix hits r1's blocks in the prefix cache."""
+    A = make_offload_side()
+    B = make_offload_side(fail_closed=True, batch_queue=True)
+    prompt = prompt_of(PROMPT)
+    store_prompt(A, prompt)
+    r2 = make_request(prompt + [7, 8, 9], block_size=BS, max_tokens=2)
+    r1, out_n, merged_n, out_next = _sync_load_then_next_step(B, prompt, second=r2)
+    assert not set(_loaded_ids(B, r1)) & set(B.scheduler.kv_cache_manager.get_block_ids(r2.request_id)[0])
+    merged_next = _run_step(B, out_next, r1, r2)
+    B.update(out_n, merged_n)
+    B.update(out_next, merged_next)
+    assert stats(B) == {"verified": 2, "offloaded_verified": 2}, logs.text
+    r3 = make_request(prompt + [4, 5], block_size=BS, max_tokens=2)
+    B.scheduler.add_request(r3)
+    out = B.scheduler.schedule()
+    assert _loaded_ids(B, r3) == _loaded_ids(B, r1)  # a local hit on r1's verified blocks
+    assert out.kv_checksum_scheduled is None or r3.request_id not in out.kv_checksum_scheduled.reqs_loaded
+
+
+@pytest.mark.parametrize("fail_closed,policy", [(True, "fail"), (True, "recompute"), (False, "fail")])
+def test_failed_sync_load_is_not_hit_afterwards(fail_closed, policy, logs):
+    """A synchronous load that failed its check leaves the prefix cache from
+    its first bad block on (under fail-open too: its own request uses it, no
+    other request may); the blocks before it stay shared."""
+    A = make_offload_side()
+    B = make_offload_side(fail_closed=fail_closed, policy=policy, batch_queue=True)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 2)
+    r1, out_n, merged_n, out_next = _sync_load_then_next_step(B, prompt)
+    bad = _loaded_ids(B, r1)
+    merged_next = _run_step(B, out_next, r1)
+    B.update(out_n, merged_n)
+    B.update(out_next, merged_next)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    r3 = make_request(prompt + [4, 5], block_size=BS, max_tokens=2)
+    blocks, num_hit, _ = B.scheduler.kv_cache_manager.get_computed_blocks(r3)
+    assert num_hit == 2 * BS and blocks.get_block_ids()[0] == bad[:2]  # the blocks before the bad one stay
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_failed_sync_load_of_a_request_preempted_meanwhile(policy, logs):
+    """Batch queue: r1 is preempted while its synchronous load's step runs.
+    Step N's output (computed on the corrupt KV) must not reach the client;
+    under "fail" r1 ends now with the checksum's reason, under "recompute" it
+    resumes without the bad blocks and ends with no checksum reason."""
+    A = make_offload_side()
+    B = make_offload_side(fail_closed=True, policy=policy, batch_queue=True)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 2)
+    r1, out_n, merged_n, out_next = _sync_load_then_next_step(B, prompt)
+    merged_next = _run_step(B, out_next, r1)
+    bad = _loaded_ids(B, r1)
+    # What schedule() does when it preempts r1 for memory (between step N+1's
+    # scheduling and step N's update).
+    B.scheduler.running.remove(r1)
+    B.scheduler._preempt_request(r1, 0.0)
+    outs_n = B.update(out_n, merged_n)
+    B.update(out_next, merged_next)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    assert not (r1.request_id in outs_n and outs_n[r1.request_id].new_token_ids)
+    if policy == "fail":
+        assert r1.is_finished() and outs_n[r1.request_id].finish_reason.name == "ERROR"
+        assert r1.stop_reason.startswith("kv_checksum_mismatch")
+        return
+    host_connector(B).load_async = True
+    forward = forward_of(B, r1)
+    for _ in range(12):
+        B.step(forward=forward)
+        if r1.is_finished():
+            break
+    assert r1.is_finished() and r1.output_token_ids, r1.status
+    assert r1.stop_reason is None or not str(r1.stop_reason).startswith("kv_checksum_")
+    assert not set(_loaded_ids(B, r1)[2:]) & set(bad[2:]) or r1.num_preemptions
+
+
+# -- one request sent and loaded back in one step -------------------------------
+
+
+@pytest.mark.parametrize("batch_queue", [False, True])
+def test_producer_request_loaded_back_synchronously_keeps_its_records_apart(batch_queue, logs):
+    """A prefill node with MultiConnector[NixlConnector, a store with
+    synchronous loads]: a P/D producer request whose prompt starts with KV
+    loaded back from the store is sent and sync-loaded in one step, and each
+    worker reports both. Each is judged with its own records: the load
+    verifies (nothing is dropped from the store), the producer's checksums
+    are sent, and a consumer's load of them verifies."""
+    A = make_offload_side()
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    nixl = dict(kv_connector="NixlConnector", kv_role="kv_both")
+    host = dict(kv_connector="HostOffloadConnector", kv_connector_module_path="offload_harness", kv_role="kv_both")
+    P = make_side("kv_both", connector="MultiConnector", connector_extra={"connectors": [nixl, host]},
+                  fail_closed=True, batch_queue=batch_queue)
+    for w in P.workers:
+        w.checksums.init_block_checksums((0,))
+    host_connector(P).load_async = False
+    req = make_request(prompt, remote_decode=True, block_size=BS)
+    P.scheduler.add_request(req)
+    compute = forward_of(P, req)
+
+    def forward(out):
+        perform_loads(P)
+        compute(out)
+
+    out, outputs = P.step(forward=forward)
+    scheduled = out.kv_checksum_scheduled
+    assert req.request_id in scheduled.reqs_loaded and req.request_id in scheduled.reqs_to_send
+    assert stats(P) == {"verified": 1, "offloaded_verified": 1, "sent": 1}, logs.text
+    assert host_connector(P).failures == [] and all(h in STORE for h in hashes)
+    params = outputs[req.request_id].kv_transfer_params
+    C = make_side("kv_consumer", fail_closed=True)
+    load(C, P, req, params)
+    assert stats(C) == {"verified": 1}, logs.text
+
+
+@pytest.mark.parametrize("fail_closed", [True, False])
+def test_failed_sync_load_of_a_request_aborted_meanwhile(fail_closed, logs):
+    """Batch queue: r1 is aborted while its synchronous load's step runs; its
+    blocks are freed but stay in the prefix cache. The load is still judged
+    with its step's records: it fails, and its blocks leave the prefix cache
+    from the bad one on, so a later request with that prefix does not hit
+    them. Nothing is failed (there is no request left)."""
+    A = make_offload_side()
+    B = make_offload_side(fail_closed=fail_closed, policy="recompute", batch_queue=True)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 3)
+    r1, out_n, merged_n, out_next = _sync_load_then_next_step(B, prompt)
+    bad = _loaded_ids(B, r1)
+    B.scheduler.finish_requests({r1.request_id}, RequestStatus.FINISHED_ABORTED)
+    merged_next = _run_step(B, out_next)
+    outs_n = B.update(out_n, merged_n)
+    B.update(out_next, merged_next)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    assert host_connector(B).failures == [(r1.request_id, {0: (3,)})]
+    r3 = make_request(prompt + [4, 5], block_size=BS, max_tokens=2)
+    blocks, num_hit, _ = B.scheduler.kv_cache_manager.get_computed_blocks(r3)
+    assert num_hit == 3 * BS and blocks.get_block_ids()[0] == bad[:3]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from vllm_kvchecksum import payload as payload_module
 from vllm_kvchecksum.payload import (MAX_GROUPS, MAX_PAYLOAD_BYTES, MAX_TOKENS, PAYLOAD_VERSION,
-                                     KVChecksumPayload, PayloadGroup)
+                                     KVChecksumPayload, PayloadGroup, max_encoded_size, max_packed_size)
 
 FUZZ = settings(max_examples=150, deadline=None,
                 # The codec fixture only picks a module: nothing to reset per example.
@@ -454,3 +454,48 @@ def test_module_imports_no_vllm(module):
     assert {name.split(".")[0] for name in imported} <= ALLOWED_IMPORTS
     local = {name for name in imported if name.startswith("vllm_kvchecksum")}
     assert local <= {"vllm_kvchecksum.payload", "vllm_kvchecksum.records"}
+
+
+# -- the bound a request puts on its payload ---------------------------------
+
+
+@st.composite
+def honest_payloads(draw):
+    """What a producer sends: every group's blocks cover at most the tokens,
+    any block size (1 included), fingerprints and values anywhere in uint64."""
+    num_tokens = draw(st.integers(0, 3000))
+    groups = {}
+    for gid in draw(st.sets(st.integers(0, 2**20), max_size=6)):
+        block_size = draw(st.sampled_from([1, 2, 16, 32, 64, 160, 2**20]))
+        blocks = -(-num_tokens // block_size)
+        start = draw(st.integers(0, blocks))
+        count = draw(st.integers(0, blocks - start))
+        values = np.array(draw(st.lists(st.integers(0, 2**64 - 1), min_size=count, max_size=count)),
+                          dtype=np.uint64)
+        groups[gid] = PayloadGroup(fingerprint=draw(st.integers(0, 2**64 - 1)), block_size=block_size,
+                                   start=start, values=values)
+    return KVChecksumPayload(num_tokens=num_tokens, producer_tp_size=draw(st.integers(1, 2**31)),
+                             groups=groups, tp_local_groups=frozenset(groups))
+
+
+@FUZZ
+@given(honest_payloads())
+def test_an_honest_payload_fits_its_requests_bound(payload):
+    """The bound never refuses what a producer of the same request sends."""
+    packed_bytes = payload.to_bytes()
+    assert len(packed_bytes) <= max_packed_size(payload.num_tokens, len(payload.groups))
+    text = payload.encode()
+    assert len(text) <= max_encoded_size(payload.num_tokens, len(payload.groups))
+    assert KVChecksumPayload.decode(text, max_encoded_size(payload.num_tokens, len(payload.groups))) == payload
+
+
+def test_the_bound_follows_the_request_not_the_global_limit():
+    short = max_encoded_size(16, 1)
+    assert short < 1000 < max_encoded_size(131072, 4) < MAX_PAYLOAD_BYTES
+    text = sample_payload().encode()
+    with pytest.raises(ValueError, match=f"exceeds the limit of {len(text) - 1}"):
+        KVChecksumPayload.decode(text, len(text) - 1)
+    data = sample_payload().to_bytes()
+    with pytest.raises(ValueError, match=f"exceed the limit of {len(data) - 1}"):
+        KVChecksumPayload.from_bytes(data, len(data) - 1)
+    assert KVChecksumPayload.decode(text, len(text)) == sample_payload()
