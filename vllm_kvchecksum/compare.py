@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -60,6 +60,7 @@ class UnverifiedReason(str, enum.Enum):
     MALFORMED_RECORD = "malformed_record"  # a record contradicts itself or others
     NO_GROUPS = "no_groups"  # every group skipped on both sides
     TP_SIZES_DIFFER = "tp_sizes_differ"  # only TP-dependent groups, and the TP sizes differ
+    PRODUCER_TP_SIZE_DIFFERS = "producer_tp_size_differs"  # the payload's, from the connector's
     COMPARISON_ERROR = "comparison_error"  # comparing raised (a bug); set by the scheduler glue
     # One group.
     NOT_CHECKSUMMED_BY_PRODUCER = "not_checksummed_by_producer"
@@ -70,6 +71,7 @@ class UnverifiedReason(str, enum.Enum):
     BLOCK_SIZES_NOT_MULTIPLES = "block_sizes_not_multiples"
     UNALIGNED_FIRST_BLOCK = "unaligned_first_block"
     NO_COMMON_BLOCKS = "no_common_blocks"
+    NOT_COVERED_BY_PRODUCER = "not_covered_by_producer"  # some loaded blocks have no producer value
     # One group of an offloaded load (offload.py).
     NOT_STORED = "not_stored"  # some workers store no checksums of the group
     NO_BLOCK_HASHES = "no_block_hashes"  # the request lacks hashes of loaded blocks
@@ -81,12 +83,14 @@ class ConsumerGroupBlocks(NamedTuple):
     Block positions [start, start + num_blocks) of `block_size` tokens each.
     state: a Mamba state group: one state, at position 0, compared whatever
     the block sizes and token counts (a state is not per token).
+    windowed: the connector transfers only a sliding window of the group.
     """
 
     start: int
     num_blocks: int
     block_size: int
     state: bool = False
+    windowed: bool = False
 
 
 @dataclass(frozen=True)
@@ -396,7 +400,8 @@ def compare_load(expected: KVChecksumPayload | None, records: Sequence[KVChecksu
                  req_id: str, expected_workers: int,
                  scheduled: Mapping[int, ConsumerGroupBlocks | tuple[int, int, int]],
                  num_tokens: int, *,
-                 missing_reason: str = "the producer sent no KV checksums") -> LoadVerdict:
+                 missing_reason: str = "the producer sent no KV checksums",
+                 producer_tp_size: Any = None) -> LoadVerdict:
     """Compare a consumer's checksums of one finished KV load with the producer's.
 
     Runs in the consumer's scheduler once every worker has finished loading
@@ -405,10 +410,19 @@ def compare_load(expected: KVChecksumPayload | None, records: Sequence[KVChecksu
     the (start, num_blocks, block_size) of group g the load wrote, and
     num_tokens the tokens the consumer's blocks hold. `expected` is the
     decoded payload, or None with `missing_reason` saying why there is none
-    (not sent, or invalid).
+    (not sent, or invalid). `producer_tp_size`: the producer's TP size as
+    the connector set the transfer up (None: it does not say); a payload
+    that says otherwise is unverified, since its TP size decides which
+    groups are left out.
     """
     if expected is None:
         return _load_unverified(req_id, UnverifiedReason.NO_PRODUCER_CHECKSUMS, missing_reason)
+    if producer_tp_size is not None and (type(producer_tp_size) is not int
+                                         or producer_tp_size != expected.producer_tp_size):
+        return _load_unverified(
+            req_id, UnverifiedReason.PRODUCER_TP_SIZE_DIFFERS,
+            f"the checksums say producer TP size {expected.producer_tp_size}, the connector transfers from "
+            f"TP size {str(producer_tp_size)[:20]}")
     by_worker = _reports_by_worker(records, req_id, expected_workers)
     if isinstance(by_worker, _Problem):
         return _load_unverified(req_id, *by_worker)
@@ -539,8 +553,29 @@ def _compare_group(group_id: int, produced: PayloadGroup, producer_tokens: int,
     if mismatched:
         return GroupVerdict(group_id=group_id, status=CheckStatus.MISMATCH,
                             mismatched_blocks=mismatched, compared_blocks=compared)
+    if compared < _blocks_to_compare(produced, blocks):
+        # Every loaded block must be compared: the payload may come from a
+        # client, and one that drops values (or shifts start or num_tokens)
+        # must not shrink what "verified" covers.
+        return _group_unverified(
+            group_id, UnverifiedReason.NOT_COVERED_BY_PRODUCER,
+            f"the producer's checksums cover {compared} of the {blocks.num_blocks} loaded blocks")
     return GroupVerdict(group_id=group_id, status=CheckStatus.VERIFIED,
                         compared_blocks=compared)
+
+
+def _blocks_to_compare(produced: PayloadGroup, blocks: ConsumerGroupBlocks) -> int:
+    """How many of the loaded blocks a verified group must have compared: all.
+
+    One exception, bounded by the consumer's own numbers: a sliding-window
+    group whose block sizes differ may leave the window's first chunk (one
+    block of the larger size) out, since each side clips the window at its
+    own block boundary, so that chunk is never whole on both sides.
+    """
+    if blocks.windowed and produced.block_size != blocks.block_size:
+        chunk = max(produced.block_size, blocks.block_size) // blocks.block_size
+        return max(0, blocks.num_blocks - chunk)
+    return blocks.num_blocks
 
 
 def _compare_state(produced: PayloadGroup, checks: np.ndarray) -> tuple[tuple[int, ...], int] | _Problem:

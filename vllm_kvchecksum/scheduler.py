@@ -182,6 +182,9 @@ class _Pending:
     # Consumer: the request's token count, which bounds the size of the
     # producer's checksums decoded for it (payload.max_packed_size).
     request_tokens: int = 0
+    # Consumer, P/D: the producer's TP size as the connector transfers from
+    # it (None: the connector does not say), checked against the payload's.
+    producer_tp_size: Any = None
     # A load of offloaded KV (blocks.offloaded): the request, and the hashes
     # of its loaded blocks per group (the tags are derived from them).
     request: Any = None
@@ -297,7 +300,8 @@ class KVChecksumScheduler:
             return
         blocks = KVChecksumBlocks(num_tokens, request_blocks(block_ids, self.layouts, num_local_tokens,
                                                              num_tokens, self.null_block_id))
-        pending = _Pending(blocks, request_tokens=request.num_tokens)
+        pending = _Pending(blocks, request_tokens=request.num_tokens,
+                           producer_tp_size=self._producer_tp_size(request))
         if carrier is KVChecksumCarrier.CONNECTOR:
             # The connector delivers them to the workers with the load (collect).
             pending.awaiting_connector = True
@@ -313,6 +317,23 @@ class KVChecksumScheduler:
         # Sent once, in this step: each worker keeps the blocks until its own
         # connector reports the load finished or the scheduler forgets it.
         self._step.reqs_to_recv[request.request_id] = blocks
+
+    def _producer_tp_size(self, request: Request) -> Any:
+        """The connector's answer to get_kv_checksum_producer_tp_size, or None.
+
+        A connector of a series without the hook, or one that raised, says
+        nothing (the payload's TP size is used, as before the hook).
+        """
+        ask = getattr(self.connector, "get_kv_checksum_producer_tp_size", None)
+        if ask is None:
+            return None
+        try:
+            return ask(request)
+        except Exception:
+            logger.exception("KV checksums: %s.get_kv_checksum_producer_tp_size raised for request %s; the "
+                             "payload's producer TP size is not cross-checked.", type(self.connector).__name__,
+                             request.request_id)
+            return None
 
     def _offload_tiers(self, request: Request, num_tokens: int) -> tuple[set, set]:
         """(the tiers this load comes from, the tiers whose loads bring checksums back)."""
@@ -620,10 +641,11 @@ class KVChecksumScheduler:
                     {g: (b.start, len(b.block_ids)) for g, b in pending.blocks.groups.items()},
                     pending.blocks.num_tokens, pending.block_hashes)
             else:
-                scheduled = {g: (b.start, len(b.block_ids), self._layout(g).block_size,
-                                 self._layout(g).is_state) for g, b in pending.blocks.groups.items()}
+                scheduled = {g: (b.start, len(b.block_ids), self._layout(g).block_size, self._layout(g).is_state,
+                                 self._layout(g).window_blocks > 0) for g, b in pending.blocks.groups.items()}
                 verdict = compare_load(pending.expected, pending.records, rid, self.num_workers, scheduled,
-                                       pending.blocks.num_tokens, missing_reason=pending.missing_reason)
+                                       pending.blocks.num_tokens, missing_reason=pending.missing_reason,
+                                       producer_tp_size=pending.producer_tp_size)
         except Exception as exc:
             # The payload comes from the client: whatever comparing one load
             # raises must not escape update_from_output and stop the engine

@@ -231,6 +231,8 @@ class KVChecksumWorker:
         wherever it moves the block's KV, and writes it back before it
         reports the load finished. Groups this worker cannot checksum (and
         Mamba state groups) are not covered; loads of them are not checked.
+        Several connectors (MultiConnector's children) may call it: they
+        share the one tensor, and the groups covered are the union of theirs.
         """
         covered = []
         for gid in group_ids:
@@ -241,7 +243,7 @@ class KVChecksumWorker:
                                or "Mamba state is not stored per block")
                 continue
             covered.append(gid)
-        self.offload_groups = frozenset(covered)
+        self.offload_groups = self.offload_groups | frozenset(covered)
         if self.block_checksums is None:
             self.block_checksums = torch.zeros(self.num_blocks, dtype=torch.int64, device=self.device)
         return self.block_checksums

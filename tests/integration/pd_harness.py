@@ -108,6 +108,18 @@ def series_lacks(mode: str) -> str | None:
     return f"{CONNECTORS[mode]} carries no KV checksums at this prefix of the series"
 
 
+def series_lacks_producer_tp_size() -> bool:
+    """Only under `make check-series`: whether this prefix of the series is
+    before the patch that lets connectors say the producer's TP size.
+    Anywhere else False, so a lost hook fails the tests that need it."""
+    import os
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return bool(os.environ.get("KVCS_VLLM_TREE")) and not hasattr(KVConnectorBase_V1,
+                                                                 "get_kv_checksum_producer_tp_size")
+
+
 def layer_name(i: int) -> str:
     return f"model.layers.{i}.self_attn.attn"
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from pd_harness import Side, load, make_request, make_side, prefill, prompt_of, stats
+from pd_harness import Side, load, make_request, make_side, prefill, prompt_of, series_lacks_producer_tp_size, stats
 
 import vllm_kvchecksum.payload as payload_module
 import vllm_kvchecksum.scheduler as scheduler_module
@@ -68,7 +68,7 @@ def address_space_capped():
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def measured_load(consumer: Side, producer: Side, producer_req, params: dict):
+def measured_load(consumer: Side, producer: Side, producer_req, params: dict, tamper=None):
     """load(), returning its result and the peak bytes it allocated (tracemalloc).
 
     numpy reports its arrays to tracemalloc, so a comparison sized by a
@@ -81,7 +81,7 @@ def measured_load(consumer: Side, producer: Side, producer_req, params: dict):
     tracemalloc.reset_peak()
     try:
         with address_space_capped():
-            result = load(consumer, producer, producer_req, params)
+            result = load(consumer, producer, producer_req, params, tamper=tamper)
         return result, tracemalloc.get_traced_memory()[1]
     finally:
         if not was_tracing:
@@ -354,8 +354,11 @@ def instances():
     return Instances()
 
 
-def forged_load_outcome(instances: Instances, forgery: Forgery) -> str:
+def forged_load_outcome(instances: Instances, forgery: Forgery, corrupt: int | None = None) -> str:
     """A fresh prompt loaded with `forgery` as its payload: "verified", or the stop_reason.
+
+    corrupt: flip a bit of the loaded block at this position on the consumer
+    (a transfer that went wrong).
 
     Checks what holds for every forged load: nothing raised, memory stayed
     bounded, the load failed (fail-closed) unless verified, and the next
@@ -366,8 +369,9 @@ def forged_load_outcome(instances: Instances, forgery: Forgery) -> str:
     original = KVChecksumPayload.decode(params["kv_checksums"])
     assert fields_of(original) == instances.real
     before = stats(C)
-    result, peak = measured_load(C, P, preq, {**params, "kv_checksums": forged_text(original,
-                                                                                   forgery)})
+    tamper = None if corrupt is None else (lambda req: C.corrupt(req.request_id, position=corrupt))
+    result, peak = measured_load(C, P, preq, {**params, "kv_checksums": forged_text(original, forgery)},
+                                 tamper=tamper)
     assert peak < MAX_LOAD_BYTES
     if verdicts_since(C, before) == {"verified": 1}:
         assert not result.request.is_finished()
@@ -387,9 +391,11 @@ def test_the_producers_fields_are_what_the_forgeries_assume(instances):
 # "mismatch", or the reason it is unverified. Fields not named keep the
 # producer's values; v0..v4 below are its 5 block values.
 HAND_PICKED = {
-    "prefix-of-the-values": (dict(num_blocks=3), "verified"),
-    "tokens-near-the-limit": (dict(num_tokens=2**40 - 1), "verified"),  # last block left out
-    "tp-size-at-the-limit": (dict(producer_tp_size=2**63 - 1), "verified"),  # not compared
+    "prefix-of-the-values": (dict(num_blocks=3), "not_covered_by_producer"),
+    "tokens-near-the-limit": (dict(num_tokens=2**40 - 1), "not_covered_by_producer"),  # last block not comparable
+    # NIXL transfers from TP 1 (before the series' patch for it, the payload's was taken).
+    "tp-size-at-the-limit": (dict(producer_tp_size=2**63 - 1),
+                             "verified" if series_lacks_producer_tp_size() else "producer_tp_size_differs"),
     "no-values": (dict(num_blocks=0), "no_common_blocks"),
     "past-the-consumers-blocks": (dict(start=6, num_tokens=11 * 16), "no_common_blocks"),
     "shifted-by-one": (dict(start=1, num_tokens=6 * 16), "mismatch"),  # v0 vs block 1
@@ -429,6 +435,19 @@ def test_forged_field_values_never_crash_the_consumer(instances, data):
         # are compared (or nothing), never what they are compared with.
         assert forgery.same_checksums(instances.real), forgery
     event(outcome.split(" (")[0])  # the verdict and reasons, without block lists
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_no_forgery_turns_a_mismatch_into_a_verify(instances, data):
+    """A load with one corrupt block, and a payload whose fields a client
+    edited (fewer values, another start, token count, block size, TP size,
+    group or fingerprint): never verified."""
+    forgery = data.draw(forgeries(instances.real), label="forgery")
+    position = data.draw(st.integers(0, instances.real.num_blocks - 1), label="corrupt block")
+    outcome = forged_load_outcome(instances, forgery, corrupt=position)
+    assert outcome != "verified", (forgery, position)
+    event(outcome.split(" (")[0].split(":")[0])
 
 
 # -- a payload's size is bounded by its request -------------------------------

@@ -11,7 +11,7 @@ import functools
 
 import pytest
 from hybrid_harness import MAMBA_GROUP, Mamba2Layer, make_hybrid_side, running_state_block
-from pd_harness import CONNECTORS, load, prefill, prompt_of, series_lacks, stats
+from pd_harness import CONNECTORS, load, prefill, prompt_of, series_lacks, series_lacks_producer_tp_size, stats
 
 PROMPT = 77
 
@@ -114,3 +114,41 @@ def test_state_tp_local_on_one_side_only_is_not_left_out(split_side, logs, make)
     load(C, P, preq, params, prompt=prompt_of(PROMPT))
     assert stats(C) == {"unverified": 1}, logs.text
     assert "fingerprint_differs" in logs.text
+
+
+def _with_producer_tp_size(params: dict, tp_size: int) -> dict:
+    """The params with the checksums' producer TP size changed (text or bytes, as carried)."""
+    from dataclasses import replace
+
+    from vllm_kvchecksum.payload import KVChecksumPayload
+
+    carried = params["kv_checksums"]
+    if isinstance(carried, str):
+        forged = replace(KVChecksumPayload.decode(carried), producer_tp_size=tp_size).encode()
+    else:
+        forged = replace(KVChecksumPayload.from_bytes(carried), producer_tp_size=tp_size).to_bytes()
+    return {**params, "kv_checksums": forged}
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_payload_claiming_another_tp_size_does_not_switch_the_state_comparison_off(mode, logs):
+    """TP 1 on both sides, state without a TP split, a flipped state bit, and
+    checksums that claim the producer ran TP 2 (in pull mode a client can
+    write that): the state group would be left out and the load verified.
+    NixlConnector says which TP size it transfers from, so the load is
+    unverified instead. (Mooncake's scheduler does not know the producer's
+    TP size; its checksums come from the producer itself, not a client.)"""
+    if (reason := series_lacks(mode)) is not None:
+        pytest.skip(reason)
+    if series_lacks_producer_tp_size():
+        pytest.skip("connectors say the producer's TP size from a later patch of the series on")
+    make = functools.partial(make_hybrid_side, connector=CONNECTORS[mode])
+    model = Mamba2Layer(split=False)
+    P = make("kv_producer", model=model, fail_closed=True, junk=1)
+    C = make("kv_consumer", model=model, fail_closed=True, junk=2)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    result = load(C, P, preq, _with_producer_tp_size(params, 2), prompt=prompt_of(PROMPT),
+                  tamper=flip_state_bit(C))
+    assert stats(C) == {"unverified": 1}, logs.text
+    out = result.outputs[result.request.request_id]
+    assert out.finish_reason.name == "ERROR" and "producer_tp_size_differs" in out.stop_reason

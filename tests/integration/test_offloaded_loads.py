@@ -581,3 +581,24 @@ def test_failed_sync_load_of_a_request_aborted_meanwhile(fail_closed, logs):
     r3 = make_request(prompt + [4, 5], block_size=BS, max_tokens=2)
     blocks, num_hit, _ = B.scheduler.kv_cache_manager.get_computed_blocks(r3)
     assert num_hit == 3 * BS and blocks.get_block_ids()[0] == bad[:3]
+
+
+def test_two_offloading_connectors_cover_the_union_of_their_groups(logs):
+    """MultiConnector hands the one checksum worker to every child: two
+    children offloading different groups share its entries tensor, and a
+    load of either group is checked (the last child's call no longer
+    decides alone)."""
+    kw = dict(sliding_window=48)
+    B = make_offload_side(fail_closed=True, covered=(0,), multi=1, **kw)
+    for w in B.workers:
+        first = w.checksums.block_checksums
+        assert w.checksums.init_block_checksums((1,)) is first
+        assert w.checksums.offload_groups == frozenset({0, 1})
+    A = make_offload_side(covered=(0, 1), **kw)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    _corrupt_store_kv(hashes, 4)  # a layer of group 0, the first child's
+    result = load_prompt(B, prompt)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    assert result.failures == [(result.request.request_id, {0: (4,)})]
+    assert "group 1 verified" in logs.text  # the second child's group is checked too

@@ -259,10 +259,8 @@ def test_two_producer_ranks_complete_once_and_the_first_copy_is_kept():
 @pytest.mark.parametrize("notif", [
     KV_CHECKSUM_NOTIF_PREFIX + b"\xc1",
     KV_CHECKSUM_NOTIF_PREFIX + msgspec.msgpack.encode(("d", "2", b"x")),
-    KV_CHECKSUM_NOTIF_PREFIX + msgspec.msgpack.encode(("d", 1)),
     KV_CHECKSUM_NOTIF_PREFIX + msgspec.msgpack.encode(("d", 0, b"x")),
-    KV_CHECKSUM_NOTIF_PREFIX + msgspec.msgpack.encode(("d", 1, b"x" * (push_worker._MAX_KV_CHECKSUM_NOTIF_BYTES))),
-], ids=["bad-msgpack", "tp-not-int", "short", "tp-zero", "too-long"])
+], ids=["bad-msgpack", "tp-not-int", "tp-zero"])
 def test_undecodable_checksum_notif_is_logged_and_counted(notif, caplog):
     consumer = consumer_loading("d")
     consumer._pending_completion_notifs.put(notif)
@@ -274,6 +272,29 @@ def test_undecodable_checksum_notif_is_logged_and_counted(notif, caplog):
     # The load still completes with a good notif afterwards.
     consumer._pending_completion_notifs.put(b"d:1")
     assert transfer_results(consumer).finished_recving == {"d"}
+
+
+@pytest.mark.parametrize("notif", [
+    KV_CHECKSUM_NOTIF_PREFIX + msgspec.msgpack.encode(("d", 1)),
+    KV_CHECKSUM_NOTIF_PREFIX + msgspec.msgpack.encode(("d", 1, b"x" * (push_worker._MAX_KV_CHECKSUM_NOTIF_BYTES))),
+    KV_CHECKSUM_NOTIF_PREFIX + msgspec.msgpack.encode(("d", 1, payload_bytes()))[:-3],
+    KV_CHECKSUM_NOTIF_PREFIX + msgspec.msgpack.encode(("d", 1, 12345)),
+], ids=["no-checksums", "too-long", "truncated", "checksums-not-bytes"])
+def test_notif_whose_checksums_do_not_decode_still_completes_its_load(notif, caplog):
+    """The request id and TP size are read without the checksums: the load
+    completes (it would otherwise wait forever, holding its blocks) with
+    empty checksums, which the scheduler finds invalid (unverified)."""
+    import os
+
+    if os.environ.get("KVCS_VLLM_TREE") and not hasattr(push_worker, "_kv_checksum_notif_head"):
+        pytest.skip("make check-series: a later patch of the series reads an unreadable notif's id")
+    consumer = consumer_loading("d")
+    consumer._pending_completion_notifs.put(notif)
+    with caplog.at_level(logging.ERROR):
+        results = transfer_results(consumer)
+    assert results.finished_recving == {"d"}
+    assert results.kv_checksums == {"d": b""}
+    assert "do not decode" in caplog.text and "request d" in caplog.text
 
 
 def test_checksums_of_a_load_not_in_flight_are_not_kept():

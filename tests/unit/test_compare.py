@@ -268,16 +268,23 @@ def test_local_prefix_hit_compares_only_loaded_blocks():
     assert verdict.mismatched_blocks == {0: (3,)}
 
 
-def test_producer_window_clip_compares_positions_both_have():
+def test_producer_covering_fewer_loaded_blocks_is_unverified():
+    # A producer (or a client editing its payload) whose values start later
+    # than the consumer's loaded blocks: the blocks both hold are compared,
+    # but "verified" must cover every loaded block.
     verdict = transfer(Side(starts={1: 4}), Side())
-    assert_verified(verdict)
-    assert verdict.groups[1].compared_blocks == cdiv(100, 16) - 4
+    assert_unverified(verdict, UnverifiedReason.NOT_COVERED_BY_PRODUCER, group=1)
+    assert verdict.groups[0].status is CheckStatus.VERIFIED
+    # A mismatch in what is compared is still a mismatch.
+    verdict = transfer(Side(starts={1: 4}), Side(), corruptions=(Corruption(3, 0, 85),))
+    assert verdict.mismatched_blocks == {1: (5,)}
 
 
 def test_last_block_compared_only_with_equal_token_counts():
+    # The consumer's last block holds 3 tokens, the producer's 4: not
+    # comparable, so the load is not verified whole.
     verdict = transfer(Side(num_tokens=100), Side(num_tokens=99))
-    assert_verified(verdict)
-    assert verdict.groups[0].compared_blocks == cdiv(100, 16) - 1
+    assert_unverified(verdict, UnverifiedReason.NOT_COVERED_BY_PRODUCER, group=0)
     # The last block with equal counts is compared, and a change there caught.
     verdict = transfer(Side(num_tokens=100), Side(num_tokens=100),
                        corruptions=(Corruption(0, 1, 99),))
@@ -668,8 +675,9 @@ def test_producer_blocks_past_the_consumers_are_not_materialized():
             [group.values, np.arange(extra - 100, dtype=np.uint64)]))
         for g, group in per_token.groups.items()})
     verdict, peak = compare_peak_bytes(payload, Side())
-    assert_verified(verdict)
-    assert verdict.groups[0].compared_blocks == 100 // 16  # the last holds 4 of 16 tokens
+    # The last consumer block holds 4 of 16 tokens, the producer's chunk
+    # there 16: not comparable, so not verified whole.
+    assert_unverified(verdict, UnverifiedReason.NOT_COVERED_BY_PRODUCER, group=0)
     assert peak < MAX_COMPARE_BYTES
 
 
