@@ -92,6 +92,9 @@ def test_corrupted_byte_fail_closed(policy, logs, make):
         assert not result.request.is_finished()
         assert result.next_scheduled == PROMPT  # recomputed locally, not loaded again
         assert not result.request.kv_transfer_params.get("do_remote_prefill")
+        # Recomputed, not ended: no checksum reason is left on it to reach the
+        # client when it finishes normally.
+        assert result.request.stop_reason is None
 
 
 def test_corrupted_byte_fail_open_is_logged_and_used(logs, make):
