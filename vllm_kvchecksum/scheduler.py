@@ -68,14 +68,42 @@ def _client_positions(blocks) -> str:
     return f"{shown}" + (f" and {more} more" if more else "")
 
 
+# Why a load could not be compared, when a retry may compare it: a worker's
+# report missing is transient. Every other reason of a P/D load is a fact of
+# the setup or of the request (checksums off on the producer, other layers,
+# block sizes, TP sizes, a payload that does not fit) that a retry meets
+# again, so a proxy that retries 503s would loop.
+_TRANSIENT_UNVERIFIED = frozenset({UnverifiedReason.MISSING_WORKERS})
+
+# Ends the client reason of a failure a retry will not fix.
+NOT_RETRYABLE_NOTE = " (not retryable: a retry meets the same setup; see the server's log)"
+
+
 def client_reason(verdict: LoadVerdict) -> str:
-    """What a client is told when its request fails a KV checksum check."""
+    """What a client is told when its request fails a KV checksum check.
+
+    A mismatch is retryable (the KV went bad on its way; the retry transfers
+    or computes it again), and so is any failed load of offloaded KV (what
+    failed was dropped from the store, so the retry recomputes it). An
+    unverified P/D load is retryable only for a transient reason; the others
+    end with NOT_RETRYABLE_NOTE (client_error_is_retryable).
+    """
     if verdict.status is CheckStatus.MISMATCH:
         groups = ", ".join(f"group {g} blocks {_client_positions(b)}" for g, b in verdict.mismatched_blocks.items())
         source = ("loaded back from the offloaded KV cache" if verdict.source == OFFLOADED_SOURCE
                   else "loaded from the producer")
         return f"{KV_CHECKSUM_ERROR_PREFIX}mismatch: the KV {source} is corrupt ({groups})"
-    return f"{KV_CHECKSUM_ERROR_PREFIX}unverified: {', '.join(k.value for k in verdict.reason_keys)}"
+    reason = f"{KV_CHECKSUM_ERROR_PREFIX}unverified: {', '.join(k.value for k in verdict.reason_keys)}"
+    if verdict.source != OFFLOADED_SOURCE and not set(verdict.reason_keys) <= _TRANSIENT_UNVERIFIED:
+        reason += NOT_RETRYABLE_NOTE
+    return reason
+
+
+def client_error_is_retryable(stop_reason: str) -> bool:
+    """For the OpenAI server: whether a request ended by this KV checksum
+    failure (a client_reason) may succeed when retried (HTTP 503), or not
+    (HTTP 500 with the reason)."""
+    return stop_reason.startswith(KV_CHECKSUM_ERROR_PREFIX) and not stop_reason.endswith(NOT_RETRYABLE_NOTE)
 
 
 def _carrier_name(connector) -> str:
