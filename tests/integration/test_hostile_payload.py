@@ -30,6 +30,7 @@ from pd_harness import Side, load, make_request, make_side, prefill, prompt_of, 
 
 import vllm_kvchecksum.payload as payload_module
 import vllm_kvchecksum.scheduler as scheduler_module
+from vllm_kvchecksum.scheduler import NOT_RETRYABLE_NOTE
 from vllm_kvchecksum.payload import PAYLOAD_VERSION, KVChecksumPayload, PayloadGroup
 
 PROMPT = 77  # 5 blocks of 16 tokens, the last holding 13; the consumer loads all 77
@@ -422,7 +423,8 @@ def test_hand_picked_forgeries(instances, changes, verdict):
     elif verdict == "mismatch":
         assert outcome.startswith("kv_checksum_mismatch"), outcome
     else:
-        assert outcome == f"kv_checksum_unverified: {verdict}"
+        # A payload the client got wrong: a retry meets it again.
+        assert outcome == f"kv_checksum_unverified: {verdict}{NOT_RETRYABLE_NOTE}"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
