@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from pd_harness import Side, forward_of, layer_name, make_request, make_side
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -40,6 +41,21 @@ class StoredValue:
 
 # block hash -> worker index -> value; shared by every instance of a test.
 STORE: dict[bytes, dict[int, StoredValue]] = {}
+
+
+@pytest.fixture(autouse=True)
+def empty_store():
+    """An empty STORE for each test (a test module imports it to use it)."""
+    STORE.clear()
+    yield
+    STORE.clear()
+
+
+def corrupt_store_kv(hashes, position: int, worker: int = 0):
+    """Flip one bit of the stored KV of block `position` (its first layer in sorted order)."""
+    value = STORE[hashes[position]][worker]
+    layer = sorted(value.kv)[0]
+    value.kv[layer].view(torch.uint8)[0, 1, 2] ^= 0x08
 
 
 @dataclass

@@ -13,9 +13,8 @@ from __future__ import annotations
 import types
 
 import pytest
-import torch
-from offload_harness import (STORE, host_connector, load_prompt, load_prompt_sync, make_offload_side, perform_loads,
-                             store_prompt)
+from offload_harness import (STORE, corrupt_store_kv, empty_store, host_connector, load_prompt,  # noqa: F401 (fixture)
+                             load_prompt_sync, make_offload_side, perform_loads, store_prompt)
 from pd_harness import forward_of, make_request, make_side, prompt_of, run_local, stats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
@@ -27,17 +26,6 @@ PROMPT = BS * 5 + 3  # 5 full blocks, then 3 tokens computed locally
 FULL = PROMPT // BS
 
 
-@pytest.fixture(autouse=True)
-def _empty_store():
-    STORE.clear()
-    yield
-    STORE.clear()
-
-
-def _corrupt_store_kv(hashes, position: int, worker: int = 0):
-    value = STORE[hashes[position]][worker]
-    layer = sorted(value.kv)[0]
-    value.kv[layer].view(torch.uint8)[0, 1, 2] ^= 0x08
 
 
 def report_tiers_by_plan(connector) -> None:
@@ -78,7 +66,7 @@ def test_offloaded_load_after_a_local_prefix_hit_checks_the_loaded_blocks(corrup
     run_local(B, prompt[:2 * BS + 1])  # before anything is stored: computed, and cached
     hashes = store_prompt(A, prompt)
     if corrupt is not None:
-        _corrupt_store_kv(hashes, corrupt)
+        corrupt_store_kv(hashes, corrupt)
     result = load_prompt(B, prompt)
     req = result.request
     if corrupt is None:
@@ -158,7 +146,7 @@ def test_sync_load_of_a_request_aborted_before_its_update_fails_nothing(logs):
     B = make_offload_side(fail_closed=True, policy="fail")
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 2)
+    corrupt_store_kv(hashes, 2)
     host_connector(B).load_async = False
     r1 = make_request(prompt, block_size=BS, max_tokens=2)
     B.scheduler.add_request(r1)
@@ -234,7 +222,7 @@ def test_failure_hook_raising_leaves_the_verdict_and_the_engine(logs):
     connector.on_kv_checksum_failure = types.MethodType(broken, connector)
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 2)
+    corrupt_store_kv(hashes, 2)
     result = load_prompt(B, prompt)
     req = result.request
     assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text

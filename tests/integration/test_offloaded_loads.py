@@ -14,8 +14,8 @@ import pytest
 import torch
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
-from offload_harness import (STORE, host_connector, load_prompt, load_prompt_sync, make_offload_side, perform_loads,
-                             store_prompt)
+from offload_harness import (STORE, corrupt_store_kv, empty_store, host_connector, load_prompt,  # noqa: F401 (fixture)
+                             load_prompt_sync, make_offload_side, perform_loads, store_prompt)
 from pd_harness import (ReportingConnector, forward_of, load, make_config, make_request, make_side, prompt_of, runner_step,
                         stats)
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -27,17 +27,6 @@ PROMPT = BS * 5 + 3  # 5 full blocks, then 3 tokens computed locally
 FULL = PROMPT // BS
 
 
-@pytest.fixture(autouse=True)
-def _empty_store():
-    STORE.clear()
-    yield
-    STORE.clear()
-
-
-def _corrupt_store_kv(hashes, position: int, worker: int = 0):
-    value = STORE[hashes[position]][worker]
-    layer = sorted(value.kv)[0]
-    value.kv[layer].view(torch.uint8)[0, 1, 2] ^= 0x08
 
 
 def _corrupt_store_entry(hashes, position: int, worker: int = 0):
@@ -59,9 +48,9 @@ def test_intact_offloaded_kv_is_verified(tp, logs):
 
 
 CORRUPTIONS = {
-    "kv_bit": lambda hashes: _corrupt_store_kv(hashes, 2),
+    "kv_bit": lambda hashes: corrupt_store_kv(hashes, 2),
     "entry": lambda hashes: _corrupt_store_entry(hashes, 3),
-    "kv_bit_rank1": lambda hashes: _corrupt_store_kv(hashes, 1, worker=1),
+    "kv_bit_rank1": lambda hashes: corrupt_store_kv(hashes, 1, worker=1),
 }
 BAD_POSITION = {"kv_bit": 2, "entry": 3, "kv_bit_rank1": 1}
 
@@ -105,7 +94,7 @@ def test_corrupted_store_value_fail_open_is_logged_used_and_dropped(logs):
     A, B = make_offload_side(), make_offload_side()
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 4)
+    corrupt_store_kv(hashes, 4)
     result = load_prompt(B, prompt)
     assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}
     assert any(r.levelno == logging.ERROR and "offloaded KV loaded back" in r.getMessage() for r in logs.records)
@@ -167,7 +156,7 @@ def test_groups_not_covered_are_not_checked(logs):
     assert "group 1" not in logs.text.split("offloaded KV loaded back")[-1].splitlines()[0]
     STORE.clear()
     hashes = store_prompt(A, prompt_of(PROMPT, seed=3))
-    _corrupt_store_kv(hashes, 0)  # a group 0 layer (sorted first: layers.0)
+    corrupt_store_kv(hashes, 0)  # a group 0 layer (sorted first: layers.0)
     result = load_prompt(B, prompt_of(PROMPT, seed=3))
     assert result.failures == [(result.request.request_id, {0: (0,)})]
 
@@ -180,7 +169,7 @@ def test_tier_without_checksums_is_not_checked(sources, logs):
     host_connector(B).sources = set(sources)
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 2)
+    corrupt_store_kv(hashes, 2)
     result = load_prompt(B, prompt)
     assert stats(B) == {}
     assert result.next_scheduled == PROMPT - FULL * BS
@@ -197,7 +186,7 @@ def test_multi_connector_routes_to_the_connector_serving_the_load(logs):
     serving, other = B.scheduler.connector._connectors
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 2)
+    corrupt_store_kv(hashes, 2)
     result = load_prompt(B, prompt)
     assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
     assert serving.failures == [(result.request.request_id, {0: (2,)})] and other.failures == []
@@ -251,7 +240,7 @@ def test_corrupted_sync_load_is_rolled_back(policy, logs):
     A, B = make_offload_side(), make_offload_side(fail_closed=True, policy=policy)
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 3)
+    corrupt_store_kv(hashes, 3)
     req, outputs, out = load_prompt_sync(B, prompt)
     assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
     assert host_connector(B).failures == [(req.request_id, {0: (3,)})]
@@ -272,7 +261,7 @@ def test_corrupted_sync_load_fail_open_is_logged_and_used(logs):
     A, B = make_offload_side(), make_offload_side()
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 0)
+    corrupt_store_kv(hashes, 0)
     req, outputs, out = load_prompt_sync(B, prompt)
     assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}
     assert outputs[req.request_id].new_token_ids  # used
@@ -284,7 +273,7 @@ def test_sync_loads_with_several_groups_are_not_checked_and_say_so(logs):
     A, B = make_offload_side(**kw), make_offload_side(fail_closed=True, **kw)
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 0)
+    corrupt_store_kv(hashes, 0)
     req, outputs, out = load_prompt_sync(B, prompt)
     assert stats(B) == {}
     assert dict(B.reported_metrics) == {"offloaded_loads_not_checked/sync_load": 1}
@@ -325,7 +314,7 @@ def test_sync_load_is_checksummed_before_a_save_can_refill_its_entries(runner, l
     A, B = make_offload_side(), make_offload_side(fail_closed=True, policy="recompute")
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 2)
+    corrupt_store_kv(hashes, 2)
     host_connector(B).load_async = False
     r1 = make_request(prompt, block_size=BS, max_tokens=2)
     r2 = make_request(prompt + [5, 6, 7], block_size=BS, max_tokens=2)
@@ -421,7 +410,7 @@ def test_sync_loaded_blocks_are_not_shared_before_their_verdict(policy, logs):
     B = make_offload_side(fail_closed=True, policy=policy, batch_queue=True)
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 2)
+    corrupt_store_kv(hashes, 2)
     r2 = make_request(prompt + [7, 8, 9], block_size=BS, max_tokens=2)
     r1, out_n, merged_n, out_next = _sync_load_then_next_step(B, prompt, second=r2)
     assert r2.request_id in out_next.num_scheduled_tokens
@@ -469,7 +458,7 @@ def test_failed_sync_load_is_not_hit_afterwards(fail_closed, policy, logs):
     B = make_offload_side(fail_closed=fail_closed, policy=policy, batch_queue=True)
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 2)
+    corrupt_store_kv(hashes, 2)
     r1, out_n, merged_n, out_next = _sync_load_then_next_step(B, prompt)
     bad = _loaded_ids(B, r1)
     merged_next = _run_step(B, out_next, r1)
@@ -491,7 +480,7 @@ def test_failed_sync_load_of_a_request_preempted_meanwhile(policy, logs):
     B = make_offload_side(fail_closed=True, policy=policy, batch_queue=True)
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 2)
+    corrupt_store_kv(hashes, 2)
     r1, out_n, merged_n, out_next = _sync_load_then_next_step(B, prompt)
     merged_next = _run_step(B, out_next, r1)
     bad = _loaded_ids(B, r1)
@@ -569,7 +558,7 @@ def test_failed_sync_load_of_a_request_aborted_meanwhile(fail_closed, logs):
     B = make_offload_side(fail_closed=fail_closed, policy="recompute", batch_queue=True)
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 3)
+    corrupt_store_kv(hashes, 3)
     r1, out_n, merged_n, out_next = _sync_load_then_next_step(B, prompt)
     bad = _loaded_ids(B, r1)
     B.scheduler.finish_requests({r1.request_id}, RequestStatus.FINISHED_ABORTED)
@@ -597,7 +586,7 @@ def test_two_offloading_connectors_cover_the_union_of_their_groups(logs):
     A = make_offload_side(covered=(0, 1), **kw)
     prompt = prompt_of(PROMPT)
     hashes = store_prompt(A, prompt)
-    _corrupt_store_kv(hashes, 4)  # a layer of group 0, the first child's
+    corrupt_store_kv(hashes, 4)  # a layer of group 0, the first child's
     result = load_prompt(B, prompt)
     assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
     assert result.failures == [(result.request.request_id, {0: (4,)})]
