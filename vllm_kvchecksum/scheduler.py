@@ -779,7 +779,10 @@ class KVChecksumScheduler:
         self._sends.pop(req_id, None)
         if self._step.reqs_loaded.pop(req_id, None) is not None:
             # Not sent to the workers yet: no records will come for it.
-            self._release(self._sync[self._step.step].pop(req_id))
+            loads = self._sync[self._step.step]
+            self._release(loads.pop(req_id))
+            if not loads:
+                del self._sync[self._step.step]
         for loads in self._sync.values():
             if req_id in loads:
                 # Its step ran: judged with that step's records (its blocks,

@@ -63,6 +63,7 @@ def _unverified(*keys, source="producer"):
 
 @pytest.mark.parametrize("keys, retryable", [
     (("missing_workers",), True),  # a worker's report lost: may work next time
+    (("missing_workers", "fingerprint_differs"), False),  # one reason a retry meets again is enough
     (("no_producer_checksums",), False),  # checksums off on the producer, or lost by the proxy
     (("fingerprint_differs",), False),
     (("block_sizes_not_multiples", "fingerprint_differs"), False),

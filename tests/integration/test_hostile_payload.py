@@ -522,3 +522,53 @@ def test_a_long_prompts_honest_payload_is_within_its_bound(decoded):
     load(C, P, preq, params)
     assert stats(C) == {"verified": 1}
     assert max(decoded) > 40 * 8
+
+
+# -- found missing by an outside mutation round --------------------------------
+
+
+def test_bytes_just_over_the_requests_bound_are_refused():
+    """The bound is the request's (tokens x groups), not a looser one."""
+    from vllm_kvchecksum.payload import max_packed_size
+
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=True, policy="fail")
+    _, params = prefill(P, prompt_of(PROMPT))
+    params.pop("kv_checksums")
+    req = make_request(prompt_of(PROMPT), params=params, block_size=16)
+    C.scheduler.add_request(req)
+    C.step()
+    checksums = C.scheduler.kv_checksum
+    pending = checksums._recvs[req.request_id]
+    bound = max_packed_size(pending.request_tokens, len(checksums.layouts))
+    data = KVChecksumPayload(num_tokens=PROMPT, producer_tp_size=1, groups={
+        g: PayloadGroup(fingerprint=1, block_size=1, start=0, values=np.zeros(PROMPT, dtype=np.uint64))
+        for g in range(len(checksums.layouts) + 1)}).to_bytes()
+    assert bound < len(data) < 2 * bound
+    checksums._decode_expected(pending, req.request_id, data, "connector message")
+    assert pending.expected is None and "exceed the limit of" in pending.missing_reason
+
+
+@pytest.mark.parametrize("claimed", [True, 1.0, "1"])
+def test_a_connector_tp_size_of_another_type_is_not_taken_for_the_payloads(claimed):
+    from vllm_kvchecksum.compare import UnverifiedReason, compare_load
+
+    payload = KVChecksumPayload(num_tokens=16, producer_tp_size=1, groups={})
+    verdict = compare_load(payload, [], "r", 1, {}, 16, producer_tp_size=claimed)
+    assert verdict.reason_key is UnverifiedReason.PRODUCER_TP_SIZE_DIFFERS
+
+
+def test_a_tp_size_hook_that_raises_leaves_the_load_compared(logs):
+    if series_lacks_producer_tp_size():
+        pytest.skip("connectors say the producer's TP size from a later patch of the series on")
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer", fail_closed=True, policy="fail")
+
+    def broken(request):
+        raise RuntimeError("injected by the test")
+
+    C.scheduler.kv_checksum.connector.get_kv_checksum_producer_tp_size = broken
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params)
+    assert stats(C) == {"verified": 1}, logs.text
+    assert "not cross-checked" in logs.text

@@ -591,3 +591,79 @@ def test_two_offloading_connectors_cover_the_union_of_their_groups(logs):
     assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
     assert result.failures == [(result.request.request_id, {0: (4,)})]
     assert "group 1 verified" in logs.text  # the second child's group is checked too
+
+
+# -- found missing by an outside mutation round --------------------------------
+
+
+def test_failed_sync_load_with_two_bad_blocks_leaves_the_cache_from_the_first(logs):
+    """Blocks 2 and 4 corrupt: the prefix cache keeps blocks 0 and 1 only."""
+    A = make_offload_side()
+    B = make_offload_side(fail_closed=True, policy="recompute", batch_queue=True)
+    prompt = prompt_of(PROMPT)
+    hashes = store_prompt(A, prompt)
+    corrupt_store_kv(hashes, 2)
+    corrupt_store_kv(hashes, 4)
+    r1, out_n, merged_n, out_next = _sync_load_then_next_step(B, prompt)
+    bad = _loaded_ids(B, r1)
+    merged_next = _run_step(B, out_next, r1)
+    B.update(out_n, merged_n)
+    B.update(out_next, merged_next)
+    assert stats(B) == {"mismatch": 1, "offloaded_mismatch": 1}, logs.text
+    r3 = make_request(prompt + [4, 5], block_size=BS, max_tokens=2)
+    blocks, num_hit, _ = B.scheduler.kv_cache_manager.get_computed_blocks(r3)
+    assert num_hit == 2 * BS and blocks.get_block_ids()[0] == bad[:2]
+
+
+def test_a_hold_leaves_hits_on_other_blocks_whole():
+    from types import SimpleNamespace
+
+    B = make_offload_side(fail_closed=True, batch_queue=True)
+    checksums = B.scheduler.kv_checksum
+    checksums._held.update([10_000])
+    hit = [[SimpleNamespace(block_id=1), SimpleNamespace(block_id=2)]]
+    assert checksums.usable_local_hit(hit) is None
+    hit[0].append(SimpleNamespace(block_id=10_000))
+    assert checksums.usable_local_hit(hit) == 2
+
+
+def test_nothing_of_a_judged_sync_load_is_kept(logs):
+    """After the updates of a batch-queue sync load: no loads, records or
+    holds left (they would grow with every step, and a request loading again
+    would be judged with its old records)."""
+    A = make_offload_side()
+    B = make_offload_side(fail_closed=True, batch_queue=True)
+    prompt = prompt_of(PROMPT)
+    store_prompt(A, prompt)
+    r1, out_n, merged_n, out_next = _sync_load_then_next_step(B, prompt)
+    merged_next = _run_step(B, out_next, r1)
+    B.update(out_n, merged_n)
+    B.update(out_next, merged_next)
+    checksums = B.scheduler.kv_checksum
+    assert stats(B) == {"verified": 1, "offloaded_verified": 1}, logs.text
+    assert checksums._sync_records == [] and not checksums._sync and not checksums._held
+
+
+def test_a_sync_load_forgotten_before_its_step_is_sent_holds_nothing():
+    A = make_offload_side()
+    B = make_offload_side(fail_closed=True, batch_queue=True)
+    prompt = prompt_of(PROMPT)
+    store_prompt(A, prompt)
+    host_connector(B).load_async = False
+    checksums = B.scheduler.kv_checksum
+    r1 = make_request(prompt, block_size=BS, max_tokens=4)
+    B.scheduler.add_request(r1)
+    # What add_sync_load does inside schedule(); the request dropped before the step's meta is built.
+    checksums.add_sync_load(r1, ([100 + i for i in range(FULL + 1)],), 0, FULL * BS)
+    assert checksums._held
+    checksums.forget(r1.request_id)
+    assert not checksums._held and not checksums._sync
+    assert checksums.build_checksum_meta() is None
+
+
+def test_offload_groups_asked_twice_stay_covered():
+    B = make_offload_side(fail_closed=True)
+    for w in B.workers:
+        assert w.checksums.offload_groups == frozenset({0})
+        w.checksums.init_block_checksums((0,))
+        assert w.checksums.offload_groups == frozenset({0})

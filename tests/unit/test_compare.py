@@ -806,3 +806,17 @@ def test_the_equal_block_size_shortcut_agrees_with_the_general_comparison(sides)
         assert isinstance(result, compare_module._Problem) and result.key is expected, result
     else:
         assert result == expected
+
+
+def test_windowed_group_with_larger_consumer_blocks_leaves_out_one_block_at_most():
+    # Producer blocks of 8 from token 64 on; the consumer's four 32-token
+    # blocks all loaded: only blocks 2 and 3 are compared. One block (the
+    # window's first chunk) may be left out, not two.
+    @dataclass
+    class WindowedSide(Side):
+        def consumer_scheduled(self):
+            return {g: ConsumerGroupBlocks(self.start(g), self.num_blocks(g), self.block_size, windowed=True)
+                    for g in GROUPS}
+
+    verdict = consume(WindowedSide(block_size=32), produce(Side(block_size=8, starts={g: 8 for g in GROUPS})))
+    assert_unverified(verdict, UnverifiedReason.NOT_COVERED_BY_PRODUCER, group=GROUPS[0])
