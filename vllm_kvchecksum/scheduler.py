@@ -307,9 +307,17 @@ class KVChecksumScheduler:
     # -- each step ---------------------------------------------------------
 
     def add_send(self, request: Request, block_ids, num_tokens: int) -> None:
-        """A producer request's prompt KV is complete after this step."""
+        """A producer request's prompt KV is complete after this step.
+
+        num_tokens: the tokens computed after this step. Only the prompt's are
+        checksummed, as its consumer loads them: the step that completes the
+        prompt can compute further (a preempted request recomputes its prompt
+        and outputs in one step), and a last block checksummed over more
+        tokens than the consumer loads could not be compared.
+        """
         if self.connector.kv_checksum_carrier(request, False) is None:
             return
+        num_tokens = min(num_tokens, request.num_prompt_tokens)
         blocks = KVChecksumBlocks(num_tokens, request_blocks(block_ids, self.layouts, 0, num_tokens,
                                                              self.null_block_id))
         self._step.reqs_to_send[request.request_id] = blocks
@@ -570,8 +578,9 @@ class KVChecksumScheduler:
                 if pending is not None:
                     pending.records.append(record)
             for rid, data in record.received.items():
-                # Connector-owned carriers: several workers (or producer
-                # ranks) deliver the same bytes; the first copy is kept.
+                # Connector-owned carriers: the first worker passes on its
+                # connector's copy (KVChecksumWorker.forwards_received); a
+                # repeated copy changes nothing.
                 pending = self._recvs.get(rid)
                 if pending is not None and pending.awaiting_connector:
                     pending.awaiting_connector = False

@@ -108,10 +108,12 @@ class KVChecksumWorker:
         delivered to this worker, by request id. Those of pending loads go in
         the record (KVChecksumRecord.received), for the scheduler to compare
         with; others are dropped, so what is kept follows this worker's own
-        table, not what another host sent.
+        table, not what another host sent. Only the first worker
+        (`forwards_received`) passes them on: every worker of a load gets the
+        same payload, and one copy per load through the executor is enough.
         """
         kept = {rid: bytes(data) for rid, data in (received or {}).items()
-                if rid in self._pending_recvs and isinstance(data, (bytes, bytearray))}
+                if self.forwards_received and rid in self._pending_recvs and isinstance(data, (bytes, bytearray))}
         loaded = {rid: self._pending_recvs.pop(rid) for rid in finished_recving or () if rid in self._pending_recvs}
         if loaded:
             output = self.compute(loaded, replica_zero_only=False, purpose=RecordPurpose.LOAD)
@@ -121,6 +123,18 @@ class KVChecksumWorker:
             return None
         output.add_received(kept)
         return output
+
+    @property
+    def forwards_received(self) -> bool:
+        """Whether this worker passes on the checksums its connector received.
+
+        The first worker of the first PP stage: its output always reaches the
+        scheduler, and its load cannot finish without the connector's message
+        that carries them (NIXL push notif, Mooncake response). If a
+        misbehaving producer sends them to other workers only, the load is
+        unverified (no_producer_checksums), never verified.
+        """
+        return self.tp_rank == 0 and self.pp_rank == 0
 
     @property
     def pending_load_ids(self) -> frozenset[str]:

@@ -551,6 +551,64 @@ def test_producer_request_loaded_back_synchronously_keeps_its_records_apart(batc
     assert stats(C) == {"verified": 1}, logs.text
 
 
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_producer_preempted_after_its_send_resumes_through_an_async_offloaded_load(corrupt, logs):
+    """Batch queue, a prefill node with MultiConnector[NixlConnector, a store
+    with async loads]: a P/D producer request (max_tokens 3) finishes its
+    prompt (add_send), is preempted, and its prefix leaves the local cache;
+    it resumes by loading the prefix back from the store and recomputes its
+    prompt with its first output token in one step. Its load is judged on
+    its own records (verified; or a mismatch, recomputed from a load without
+    the bad block), and the checksums it
+    sends cover its prompt, as its consumer loads it: the consumer
+    verifies."""
+    A = make_offload_side()
+    prompt = prompt_of(PROMPT)
+    nixl = dict(kv_connector="NixlConnector", kv_role="kv_both")
+    host = dict(kv_connector="HostOffloadConnector", kv_connector_module_path="offload_harness", kv_role="kv_both")
+    P = make_side("kv_both", connector="MultiConnector", connector_extra={"connectors": [nixl, host]},
+                  fail_closed=True, policy="recompute", batch_queue=True)
+    for w in P.workers:
+        w.checksums.init_block_checksums((0,))
+    req = make_request(prompt, remote_decode=True, block_size=BS)
+    req.max_tokens = req.sampling_params.max_tokens = 3
+    P.scheduler.add_request(req)
+    compute = forward_of(P, req)
+    out, _ = P.step(forward=compute)
+    assert req.request_id in out.kv_checksum_scheduled.reqs_to_send
+    hashes = store_prompt(A, prompt)
+    if corrupt:
+        corrupt_store_kv(hashes, 2)
+    P.scheduler.running.remove(req)
+    P.scheduler._preempt_request(req, 0.0)
+    assert P.scheduler.kv_cache_manager.reset_prefix_cache()
+    params, loaded, sent_with = None, False, []
+    for _ in range(12):
+        done = perform_loads(P)
+        out, outputs = P.step(forward=compute, finished_recving=set(done))
+        scheduled = out.kv_checksum_scheduled
+        loaded |= bool(scheduled and req.request_id in scheduled.reqs_to_recv)
+        if scheduled and req.request_id in scheduled.reqs_to_send:
+            sent_with.append(out.num_scheduled_tokens[req.request_id])
+        if req.request_id in outputs and outputs[req.request_id].kv_transfer_params:
+            params = outputs[req.request_id].kv_transfer_params
+        if req.is_finished():
+            break
+    assert loaded and req.num_preemptions == 1
+    # The resumed prompt step computes past the prompt (its first output token too).
+    assert sent_with and sent_with[-1] > PROMPT - FULL * BS
+    expected = {"verified": 1, "offloaded_verified": 1, "sent": 1}
+    if corrupt:
+        # Recomputed: loaded again without the bad block (dropped from the store).
+        expected.update(mismatch=1, offloaded_mismatch=1)
+    assert stats(P) == expected, logs.text
+    assert host_connector(P).failures == ([(req.request_id, {0: (2,)})] if corrupt else [])
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED and params and "kv_checksums" in params
+    C = make_side("kv_consumer", fail_closed=True)
+    load(C, P, req, params)
+    assert stats(C) == {"verified": 1}, logs.text
+
+
 @pytest.mark.parametrize("fail_closed", [True, False])
 def test_failed_sync_load_of_a_request_aborted_meanwhile(fail_closed, logs):
     """Batch queue: r1 is aborted while its synchronous load's step runs; its

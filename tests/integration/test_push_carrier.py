@@ -429,14 +429,20 @@ def changed_value(payload: bytes) -> bytes:
     return KVChecksumPayload(decoded.num_tokens, decoded.producer_tp_size, groups).to_bytes()
 
 
-def test_connector_checksums_first_copy_is_kept(logs):
-    """Several workers deliver a load's checksums: the first copy counts
-    (here it is wrong, so the load is a mismatch though later copies are right)."""
+@pytest.mark.parametrize("copies, verdict", [(("wrong", "good"), "mismatch"), (("good", "wrong"), "verified"),
+                                              ((None, "good"), "unverified")])
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_only_the_first_workers_copy_of_connector_checksums_counts(logs, copies, verdict, tp, pp):
+    """Each worker's connector delivers the load's checksums; only the first
+    worker's copy travels to the scheduler (one copy per load), whatever the
+    others received. A producer that sends them to other workers only gets
+    an unverified load, never a verified one."""
     P = make_side("kv_producer", connector=CONNECTORS["push"], tp=2)
-    C = make_side("kv_consumer", connector=CONNECTORS["push"], tp=2)
+    C = make_side("kv_consumer", connector=CONNECTORS["push"], tp=tp, pp=pp)
+    assert [(w.checksums.pp_rank, w.checksums.tp_rank) for w in C.workers][0] == (0, 0)
     preq, params = prefill(P, prompt_of(PROMPT))
-    good = params.pop("kv_checksums")
-    wrong = changed_value(good)
+    payloads = {"good": params.pop("kv_checksums")}
+    payloads["wrong"] = changed_value(payloads["good"])
     from pd_harness import make_request
 
     req = make_request(preq.prompt_token_ids, params=params, block_size=C.block_size)
@@ -446,14 +452,16 @@ def test_connector_checksums_first_copy_is_kept(logs):
     out = C.scheduler.schedule()
     from vllm_kvchecksum.runner import checksum_step
 
-    outputs = []
-    for w, copy in zip(C.workers, (wrong, good)):
-        checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, {req.request_id},
-                                  received={req.request_id: copy})
+    outputs, carried = [], []
+    for w, copy in zip(C.workers, copies):
+        received = {req.request_id: payloads[copy]} if copy else None
+        checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, {req.request_id}, received=received)
+        carried.append(sum(len(r.received) for r in checksums.records))
         outputs.append(C.runner_output(out, KVConnectorOutput(finished_recving={req.request_id},
                                                               kv_checksums=checksums)))
+    assert carried == [1 if copies[0] else 0, 0]
     C.update(out, C.aggregator.aggregate(outputs, 0))
-    assert stats(C) == {"mismatch": 1}, logs.text
+    assert stats(C) == {verdict: 1}, logs.text
 
 
 def test_received_checksums_of_a_params_carried_load_are_ignored(logs):
