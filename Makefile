@@ -8,10 +8,11 @@ VLLM_REF ?= main
 VLLM_SRC ?=
 MODEL ?=
 DEMO_ARGS ?=
+SOAK_ARGS ?=
 PY := .venv/bin/python
 WORKBENCH := cd scripts && ../$(PY) -m workbench
 
-.PHONY: help demo setup test test-unit test-e2e test-upstream apply unapply refresh check-series rebase-check bench clean
+.PHONY: help demo soak setup test test-unit test-e2e test-upstream apply unapply refresh check-series rebase-check bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -21,6 +22,9 @@ setup: ## build .venv: vLLM v0.32.0 + series in build/vllm, importable (VLLM_DEV
 
 demo: setup ## real P/D servers catching injected KV faults: table + build/demo/report.json (DEMO_ARGS=--help)
 	PYTHONPATH=scripts $(PY) -m kvcs_demo --device $(VLLM_DEVICE) $(if $(MODEL),--model $(MODEL)) $(DEMO_ARGS)
+
+soak: setup ## real P/D servers under load and the lease race, judged by ground truth: build/soak/report.json (SOAK_ARGS=--help)
+	PYTHONPATH=scripts $(PY) -m kvcs_soak $(SOAK_ARGS)
 
 test: setup ## every test: package, workbench, integration, e2e demo, upstream gate
 	ci/test.sh

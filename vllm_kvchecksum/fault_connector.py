@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from vllm_kvchecksum import faults
 from vllm_kvchecksum.blocks import request_blocks
 from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY
+from vllm_kvchecksum.kv_witness import block_digests
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
     from vllm_kvchecksum.blocks import GroupLayout
 
 __all__ = ["KVChecksumFaultConnector", "FaultConnectorMetadata", "FaultPlan", "FaultDecision", "FaultSettings",
-           "FaultDecider", "ControlFile", "parse_fault_settings", "parse_kinds", "checksummed_layers", "expect_of",
+           "FaultDecider", "ControlFile", "WitnessPlan", "parse_fault_settings", "parse_kinds", "checksummed_layers", "expect_of",
            "injection_record", "describe_record", "DROP_CHECKSUMS", "KNOWN_KINDS", "LOGGER_NAME", "RECORD_FIELDS"]
 
 # A child of "vllm.kv_checksum": logs through vLLM's handlers, next to the
@@ -75,8 +76,10 @@ ALL_KINDS = "all"
 # misplace_block copies a block of another recent load: how many loads back.
 RECENT_LOADS = 8
 
-_SETTING_KEYS = ("kinds", "rate", "seed", "log_path", "control_path")
-_CONTROL_KEYS = ("kinds", "rate")
+_SETTING_KEYS = ("kinds", "rate", "seed", "log_path", "control_path", "witness_path", "stall_rate", "stall_s")
+# The longest stall a drill may ask for: a stall blocks the engine loop.
+MAX_STALL_S = 60.0
+_CONTROL_KEYS = ("kinds", "rate", "stall_rate")
 
 # Every JSON record has these keys (null where they do not apply).
 _INJECTION_FIELDS = ("layer", "token", "head", "byte", "bit", "other_layer", "other_token", "other_head",
@@ -97,6 +100,12 @@ class FaultSettings:
     seed: seeds the scheduler's draws, so a run is reproducible.
     log_path: JSON-lines file every injection is appended to, or None.
     control_path: file whose JSON overrides kinds and rate while it exists.
+    witness_path: JSON-lines file for the ground truth (kv_witness): the
+      digests of the blocks each producer request sends and each load
+      receives, and one line per load started; None: no digests.
+    stall_rate, stall_s: the probability that a load starting stalls this
+      worker's engine for stall_s seconds before its transfer is posted (a
+      slow consumer: its reads come late and it sends no lease heartbeats).
     """
 
     kinds: tuple[str, ...] = KNOWN_KINDS
@@ -104,6 +113,9 @@ class FaultSettings:
     seed: int = 0
     log_path: str | None = None
     control_path: str | None = None
+    witness_path: str | None = None
+    stall_rate: float = 0.0
+    stall_s: float = 0.0
 
 
 def parse_kinds(value: Any, where: str) -> tuple[str, ...]:
@@ -135,6 +147,13 @@ def _parse_seed(value: Any, where: str) -> int:
     return value
 
 
+def _parse_stall(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 <= value <= MAX_STALL_S:
+        raise ValueError(f"{where} must be a number of seconds in [0, {MAX_STALL_S:g}], got {value!r}")
+    return float(value)
+
+
 def _parse_path(value: Any, where: str) -> str | None:
     if value is None:
         return None
@@ -164,7 +183,10 @@ def parse_fault_settings(extra_config: Mapping[str, Any]) -> FaultSettings:
         rate=parse_rate(section.get("rate", defaults.rate), f"{FAULTS_KEY}.rate"),
         seed=_parse_seed(section.get("seed", defaults.seed), f"{FAULTS_KEY}.seed"),
         log_path=_parse_path(section.get("log_path"), f"{FAULTS_KEY}.log_path"),
-        control_path=_parse_path(section.get("control_path"), f"{FAULTS_KEY}.control_path"))
+        control_path=_parse_path(section.get("control_path"), f"{FAULTS_KEY}.control_path"),
+        witness_path=_parse_path(section.get("witness_path"), f"{FAULTS_KEY}.witness_path"),
+        stall_rate=parse_rate(section.get("stall_rate", defaults.stall_rate), f"{FAULTS_KEY}.stall_rate"),
+        stall_s=_parse_stall(section.get("stall_s", defaults.stall_s), f"{FAULTS_KEY}.stall_s"))
 
 
 def check_connectors(extra_config: Mapping[str, Any]) -> None:
@@ -189,17 +211,24 @@ class ControlFile:
 
     The file is stat()ed at each call and re-read only when it changed
     (mtime, size, inode), so calling this per load is cheap. While the file
-    exists its JSON object {"kinds": [...], "rate": x} (either key optional)
-    overrides the config; a missing file means the config's settings; an
-    unreadable or invalid file means no faults, with one warning per version
-    of the file.
+    exists its JSON object {"kinds": [...], "rate": x, "stall_rate": y}
+    (each key optional) overrides the config; a missing file means the
+    config's settings; an unreadable or invalid file means no faults and no
+    stalls, with one warning per version of the file.
     """
 
-    def __init__(self, path: str | None, kinds: tuple[str, ...], rate: float):
+    def __init__(self, path: str | None, kinds: tuple[str, ...], rate: float, stall_rate: float = 0.0):
         self.path = path
         self.config = (kinds, rate)
+        self.config_stall_rate = stall_rate
         self._stamp: Any = "unread"
         self._current = self.config
+        self._stall_rate = stall_rate
+
+    def stall_rate(self) -> float:
+        """The probability that a load starting stalls its step (see FaultSettings)."""
+        self.settings()
+        return self._stall_rate
 
     def settings(self) -> tuple[tuple[str, ...], float]:
         if self.path is None:
@@ -213,6 +242,7 @@ class ControlFile:
             stamp = ("error", str(exc))
         if stamp != self._stamp:
             self._stamp = stamp
+            self._stall_rate = self.config_stall_rate
             self._current = self._read(stamp)
         return self._current
 
@@ -230,6 +260,7 @@ class ControlFile:
         except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
             logger.warning("KV checksum drill: control file %s is unreadable or invalid (%s): no faults until "
                            "it is fixed or removed.", self.path, exc)
+            self._stall_rate = 0.0
             return (), 0.0
         logger.info("KV checksum drill: control file %s: kinds %s, rate %s for the following loads.",
                     self.path, list(settings[0]), settings[1])
@@ -241,9 +272,11 @@ class ControlFile:
             raise ValueError(f"{where} must hold a JSON object with keys kinds and/or rate")
         unknown = sorted(set(data) - set(_CONTROL_KEYS))
         if unknown:
-            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; known: kinds, rate")
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(_CONTROL_KEYS)}")
         kinds = parse_kinds(data["kinds"], f"{where}: kinds") if "kinds" in data else self.config[0]
         rate = parse_rate(data["rate"], f"{where}: rate") if "rate" in data else self.config[1]
+        if "stall_rate" in data:
+            self._stall_rate = parse_rate(data["stall_rate"], f"{where}: stall_rate")
         return kinds, rate
 
 
@@ -289,6 +322,18 @@ class FaultPlan(NamedTuple):
     groups: dict[int, tuple[int, tuple[int, ...]]]
 
 
+class WitnessPlan(NamedTuple):
+    """The blocks one transfer's ground truth digests (kv_witness).
+
+    groups: as FaultPlan's. remote_request_id: for a load, the producer's
+    request id its kv_transfer_params name (to find the producer's digests).
+    """
+
+    num_tokens: int
+    groups: dict[int, tuple[int, tuple[int, ...]]]
+    remote_request_id: str | None = None
+
+
 @dataclass
 class FaultConnectorMetadata(MultiKVConnectorMetadata):
     """MultiConnector's metadata plus the plans of loads started this step.
@@ -299,6 +344,12 @@ class FaultConnectorMetadata(MultiKVConnectorMetadata):
     """
 
     fault_plans: dict[str, FaultPlan] = field(default_factory=dict)
+    # Ground truth (witness_path): loads started this step, and the
+    # producer requests whose prompt KV this step finishes.
+    witness_loads: dict[str, WitnessPlan] = field(default_factory=dict)
+    witness_sends: dict[str, WitnessPlan] = field(default_factory=dict)
+    # Seconds the workers stall before this step's transfers are posted.
+    stall_s: float = 0.0
 
 
 @dataclass
@@ -451,10 +502,16 @@ class KVChecksumFaultConnector(MultiConnector):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._records = _RecordLog(self.settings.log_path)
         # Scheduler side.
-        self._decider = FaultDecider(self.settings.seed, ControlFile(
-            self.settings.control_path, self.settings.kinds, self.settings.rate))
+        self._control = ControlFile(self.settings.control_path, self.settings.kinds, self.settings.rate,
+                                    self.settings.stall_rate)
+        self._decider = FaultDecider(self.settings.seed, self._control)
         self._decided: dict[str, _PendingPlan] = {}
         self._layouts: list[GroupLayout] | None = None
+        # Ground truth and stalls: loads started since the last metadata.
+        self._witness_records = _RecordLog(self.settings.witness_path)
+        self._started: dict[str, tuple[Request, int]] = {}
+        self._stall_rng = random.Random(self.settings.seed ^ 0x5EED)
+        self._producer_reqs: dict[str, Request] = {}
         # Worker side.
         self._plans: dict[str, FaultPlan] = {}
         # Loads whose connector-delivered checksums this worker dropped
@@ -464,6 +521,10 @@ class KVChecksumFaultConnector(MultiConnector):
         self._ranks: tuple[int, int] = (0, 0)
         self._layers: dict[int, list[str]] = {}
         self._recent: collections.deque[tuple[str, int, tuple[int, ...]]] = collections.deque(maxlen=RECENT_LOADS)
+        self._witness_loads: dict[str, WitnessPlan] = {}
+        self._witness_sends: dict[str, WitnessPlan] = {}
+        # The loads digested in this step, until its load errors are asked for.
+        self._witnessed_now: dict[str, WitnessPlan] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._log_startup(vllm_config)
 
@@ -513,6 +574,8 @@ class KVChecksumFaultConnector(MultiConnector):
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if num_external_tokens <= 0:
             return
+        if self.settings.witness_path is not None or self._control.stall_rate() > 0:
+            self._started[request.request_id] = (request, num_external_tokens)
         try:
             decision = self._decider.decide()
             if decision is None:
@@ -581,23 +644,91 @@ class KVChecksumFaultConnector(MultiConnector):
             else:
                 self._write(injection_record(request_id=req_id, kind=pending.decision.kind, side="scheduler",
                                              skipped=skipped, now=time.time(), pid=os.getpid()))
+        witness_loads, stall_s = self._witness_started()
         return FaultConnectorMetadata(metadata=child.metadata, extra_async_saves=child.extra_async_saves,
-                                      fault_plans=plans)
+                                      fault_plans=plans, witness_loads=witness_loads,
+                                      witness_sends=self._witness_sends_of(scheduler_output), stall_s=stall_s)
 
-    def _plan(self, pending: _PendingPlan) -> tuple[FaultPlan | None, str | None]:
-        """The load's blocks per group, by the checksum scheduler's own rule.
+    def _witness_started(self) -> tuple[dict[str, WitnessPlan], float]:
+        """The loads started since the last step: their ground-truth plans
+        (one "load_started" line each), and the stall the step gets."""
+        started, self._started = self._started, {}
+        plans, stall_s = {}, 0.0
+        for req_id, (request, num_external_tokens) in started.items():
+            try:
+                stall_rate = self._control.stall_rate()
+                if stall_rate > 0 and self._stall_rng.random() < stall_rate:
+                    stall_s = self.settings.stall_s
+                if self.settings.witness_path is None:
+                    continue
+                loaded, skipped = self._load_groups(request, num_external_tokens)
+                remote = (request.kv_transfer_params or {}).get("remote_request_id")
+                remote = remote if isinstance(remote, str) else None
+                if loaded is not None:
+                    plans[req_id] = WitnessPlan(loaded[0], loaded[1], remote)
+                self._witness_records.write({"side": "scheduler", "event": "load_started", "request_id": req_id,
+                                             "remote_request_id": remote, "skipped": skipped,
+                                             "num_tokens": loaded[0] if loaded else None, "stall_s": stall_s,
+                                             "time": time.time(), "pid": os.getpid()})
+            except Exception:
+                logger.exception("KV checksum drill: the ground truth of request %s's load failed.", req_id)
+        return plans, stall_s
 
-        Built here, not in update_state_after_alloc: the Scheduler sets
-        request.num_computed_tokens (local prefix hit + loaded tokens) only
-        after that hook, and add_recv is called with exactly these numbers:
-        num_local_tokens = num_computed_tokens - num_external_tokens and
-        num_tokens = num_computed_tokens (vllm/v1/core/sched/scheduler.py,
-        the load_kv_async branch), and the request's full block ids from the
-        cache manager, which do not change while the load waits.
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        """The child's answer; with witness_path, P/D producer requests are
+        kept (until they finish) to find the step that finishes their prompt."""
+        if self.settings.witness_path is not None and (request.kv_transfer_params or {}).get("do_remote_decode"):
+            self._producer_reqs[request.request_id] = request
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _witness_sends_of(self, scheduler_output: SchedulerOutput) -> dict[str, WitnessPlan]:
+        """The P/D producer requests whose prompt KV this step finishes
+        (their scheduled tokens cross num_prompt_tokens), with the blocks
+        holding the prompt's tokens: digested after this step's forward.
+
+        Read here from the request and the cache manager: the Scheduler
+        advances num_computed_tokens after this hook, and builds the
+        checksum scheduler's sends after it too.
+        """
+        if not self._producer_reqs:
+            return {}
+        plans = {}
+        for req_id, request in list(self._producer_reqs.items()):
+            if request.is_finished():
+                del self._producer_reqs[req_id]
+                continue
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            computed, prompt = request.num_computed_tokens, request.num_prompt_tokens
+            if not scheduled or not computed < prompt <= computed + scheduled:
+                continue
+            try:
+                if self._layouts is None:
+                    from vllm_kvchecksum.scheduler import transfer_layouts
+
+                    self._layouts = transfer_layouts(self._vllm_config, self._kv_cache_config)
+                groups = request_blocks(self._kv_cache_manager.get_block_ids(req_id), self._layouts, 0, prompt,
+                                        self._kv_cache_manager.block_pool.null_block.block_id)
+                plans[req_id] = WitnessPlan(prompt, {g: (b.start, tuple(b.block_ids)) for g, b in groups.items()})
+            except Exception:
+                logger.exception("KV checksum drill: the ground truth of producer request %s failed.", req_id)
+        return plans
+
+    def _load_groups(self, request: Request, num_external_tokens: int
+                     ) -> tuple[tuple[int, dict[int, tuple[int, tuple[int, ...]]]] | None, str | None]:
+        """((num_tokens, group -> (first position, block ids)), None) of an
+        async load, by the checksum scheduler's own rule; or (None, why not).
+
+        Built in build_connector_meta, not in update_state_after_alloc: the
+        Scheduler sets request.num_computed_tokens (local prefix hit + loaded
+        tokens) only after that hook, and add_recv is called with exactly
+        these numbers: num_local_tokens = num_computed_tokens -
+        num_external_tokens and num_tokens = num_computed_tokens
+        (vllm/v1/core/sched/scheduler.py, the load_kv_async branch), and the
+        request's full block ids from the cache manager, which do not change
+        while the load waits.
         """
         from vllm.v1.request import RequestStatus
 
-        request = pending.request
         if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             # Only async loads are checksummed (add_recv); a sync load would
             # never be reported in finished_recving.
@@ -612,7 +743,7 @@ class KVChecksumFaultConnector(MultiConnector):
 
             self._layouts = transfer_layouts(self._vllm_config, self._kv_cache_config)
         num_tokens = request.num_computed_tokens
-        num_local = num_tokens - pending.num_external_tokens
+        num_local = num_tokens - num_external_tokens
         # The same null block id the Scheduler gives the checksum scheduler:
         # BlockPool takes block 0 off its free queue as its null block when
         # it is built, so it is 0 in practice; read it, do not assume it.
@@ -621,9 +752,14 @@ class KVChecksumFaultConnector(MultiConnector):
                                 num_local, num_tokens, null_block_id)
         if not groups:
             return None, "the load has no checksummed blocks"
-        plan = FaultPlan(pending.decision.kind, pending.decision.seed, num_tokens,
-                         {g: (b.start, tuple(b.block_ids)) for g, b in groups.items()})
-        return plan, None
+        return (num_tokens, {g: (b.start, tuple(b.block_ids)) for g, b in groups.items()}), None
+
+    def _plan(self, pending: _PendingPlan) -> tuple[FaultPlan | None, str | None]:
+        """The load's blocks per group, by the checksum scheduler's own rule (_load_groups)."""
+        loaded, skipped = self._load_groups(pending.request, pending.num_external_tokens)
+        if loaded is None:
+            return None, skipped
+        return FaultPlan(pending.decision.kind, pending.decision.seed, *loaded), None
 
     # ==============================
     # Worker-side methods
@@ -658,11 +794,18 @@ class KVChecksumFaultConnector(MultiConnector):
 
         Called by the model runner before each step's forward.
         """
-        if isinstance(connector_metadata, FaultConnectorMetadata) and connector_metadata.fault_plans:
+        if isinstance(connector_metadata, FaultConnectorMetadata):
             # Every worker drops the checksums its connector delivers (any
             # one copy reaches the scheduler); one worker injects the rest.
             self._plans.update({rid: plan for rid, plan in connector_metadata.fault_plans.items()
                                 if self.injects or plan.kind == DROP_CHECKSUMS})
+            if self.injects:
+                self._witness_loads.update(connector_metadata.witness_loads)
+                self._witness_sends = dict(connector_metadata.witness_sends)
+            if connector_metadata.stall_s > 0:
+                # A slow consumer: the step's transfers are posted late, and
+                # no heartbeat renews a producer's lease meanwhile.
+                time.sleep(min(connector_metadata.stall_s, MAX_STALL_S))
         super().bind_connector_metadata(connector_metadata)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -698,7 +841,67 @@ class KVChecksumFaultConnector(MultiConnector):
                     self._inject(req_id, plan)
         except Exception:
             logger.exception("KV checksum drill: handling finished loads failed; no fault injected.")
+        if self._witness_loads or self._witness_sends:
+            try:
+                self._witness(results, finished_req_ids or set())
+            except Exception:
+                logger.exception("KV checksum drill: digesting this step's transfers failed.")
         return results
+
+    # -- ground truth ----------------------------------------------------------
+
+    def _witness(self, results: KVConnectorTransferResults, finished_req_ids: set[str]) -> None:
+        """Digest the loads finished now (after any fault) and the sends
+        this step's forward finished; one witness line each."""
+        for req_id in finished_req_ids:
+            # Ended: its blocks may already hold another request's KV.
+            self._witness_loads.pop(req_id, None)
+        for req_id in sorted(results.failed_recving):
+            if self._witness_loads.pop(req_id, None) is not None:
+                self._witness_write("load_failed", req_id, None, {})
+        self._witnessed_now = {}
+        for req_id in sorted(results.finished_recving - results.failed_recving):
+            plan = self._witness_loads.pop(req_id, None)
+            if plan is not None:
+                self._witness_write("load", req_id, plan, self._digests(plan))
+                self._witnessed_now[req_id] = plan
+        sends, self._witness_sends = self._witness_sends, {}
+        for req_id, plan in sorted(sends.items()):
+            self._witness_write("send", req_id, plan, self._digests(plan))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The children's blocks whose load failed; a load digested in this
+        step that wrote one of them is a failed load, not a received one.
+
+        Called by the model runner right after get_transfer_results, in the
+        same step (some connectors, e.g. Mooncake, report a failed load as
+        finished and name its bad blocks here)."""
+        invalid = super().get_block_ids_with_load_errors()
+        witnessed, self._witnessed_now = self._witnessed_now, {}
+        if invalid and witnessed:
+            try:
+                for req_id, plan in sorted(witnessed.items()):
+                    if any(b in invalid for _, ids in plan.groups.values() for b in ids):
+                        self._witness_write("load_failed", req_id, plan, {})
+            except Exception:
+                logger.exception("KV checksum drill: recording this step's failed loads failed.")
+        return invalid
+
+    def _digests(self, plan: WitnessPlan) -> dict[str, dict[str, str]]:
+        out = {}
+        for group, (first, block_ids) in sorted(plan.groups.items()):
+            caches = self._group_caches(group)
+            if not caches or not block_ids or first * self._block_size(group) >= plan.num_tokens:
+                continue
+            digests = block_digests(caches, block_ids, first, plan.num_tokens, self._block_size(group))
+            out[str(group)] = {str(p): d for p, d in digests.items()}
+        return out
+
+    def _witness_write(self, side: str, req_id: str, plan: WitnessPlan | None, digests) -> None:
+        self._witness_records.write({
+            "side": side, "request_id": req_id, "remote_request_id": plan.remote_request_id if plan else None,
+            "num_tokens": plan.num_tokens if plan else None, "digests": digests, "tp_rank": self._ranks[0],
+            "tp_size": _tp_size(), "time": time.time(), "pid": os.getpid()})
 
     # -- injection -----------------------------------------------------------
 

@@ -152,6 +152,13 @@ class _Req:
             off += e - s
 
 
+def byte_blocks(caches: Mapping[str, torch.Tensor], block_ids: Sequence[int], first_position: int,
+                num_tokens: int, block_size: int, layout: str = "HND") -> _Req:
+    """A request's blocks in `caches` as the faults address them (for
+    kv_witness): positions holding tokens, block ids, valid slots, bytes."""
+    return _Req(caches, block_ids, first_position, num_tokens, block_size, layout)
+
+
 def _byte_view(t: torch.Tensor, layout: str, block_size: int, name: str):
     if t.stride(-1) != 1:
         raise ValueError(f"layer {name}: the cell must be contiguous")

@@ -675,7 +675,10 @@ def main(argv: list[str] | None = None) -> None:
         f" (mooncake: bootstrap {p.bootstrap})" if p.bootstrap else "") for p in pairs)
     # shutdown_timeout: on SIGTERM (the demo's stop) in-flight legs get 5 s,
     # well inside the demo's 20 s before SIGKILL.
-    web.run_app(app, host=args.host, port=args.port, shutdown_timeout=5,
+    # handler_cancellation: a client that hangs up cancels its legs, so the
+    # servers abort the request (mid-prefill, mid-transfer or mid-decode) as
+    # they would behind a production proxy; the soak relies on it.
+    web.run_app(app, host=args.host, port=args.port, shutdown_timeout=5, handler_cancellation=True,
                 print=lambda _: log.info("listening on http://%s:%d (%s)",
                                          args.host, args.port, routes))
 

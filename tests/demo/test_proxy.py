@@ -48,6 +48,7 @@ class StandIn:
         self.name = name
         self.loop = loop
         self.received: list[dict] = []
+        self.cancelled = threading.Event()
         self.reset()
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
@@ -74,7 +75,12 @@ class StandIn:
         self.received.append({"path": request.path, "headers": request.headers.copy(),  # case-insensitive
                               "json": json.loads(await request.read())})
         if self.reply == "hang":
-            await asyncio.sleep(SAFETY_S)
+            try:
+                await asyncio.sleep(SAFETY_S)
+            except asyncio.CancelledError:
+                # The proxy closed the leg's connection (its client hung up).
+                self.cancelled.set()
+                raise
         status, body = self.reply
         if isinstance(body, bytes):
             return web.Response(status=status, body=body, content_type="text/plain")
@@ -286,6 +292,20 @@ def test_leg_timeout_is_504(env, loop):
         assert r.status_code == 504
         assert r.headers["X-KVCS-Failed-Leg"] == "prefill"
         assert "within 0.5 s" in r.json()["error"]["message"]
+    finally:
+        hanging.close()
+
+
+def test_a_client_that_hangs_up_cancels_its_leg(env, loop):
+    """The servers must see the client go (vLLM then aborts the request, as
+    behind a production proxy): the soak's disconnects depend on it."""
+    hanging = StandIn("slow-producer", loop)
+    hanging.reply = "hang"
+    try:
+        url = _start_proxy(env["group"], env["tmp"], [f"h={hanging.url},{env['servers']['a-consumer'].url}"])
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, trust_env=False, timeout=1.0)
+        assert hanging.cancelled.wait(SAFETY_S)
     finally:
         hanging.close()
 

@@ -11,10 +11,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_demo(args: list[str], out: Path, timeout: int, report_name: str = "report.json"):
-    """`python -m kvcs_demo ARGS --out OUT` to its end; (process, the report OUT/report_name)."""
+def run_demo(args: list[str], out: Path, timeout: int, report_name: str = "report.json", module: str = "kvcs_demo"):
+    """`python -m MODULE ARGS --out OUT` to its end (the demo, or the soak);
+    (process, the report OUT/report_name)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "scripts"), HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvcs_demo", *args, "--out", str(out)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", module, *args, "--out", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

@@ -1,0 +1,5 @@
+import sys
+
+from kvcs_soak.soak import main
+
+sys.exit(main())

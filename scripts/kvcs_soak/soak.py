@@ -1,0 +1,487 @@
+"""make soak: real P/D servers under load and a real race, judged against ground truth.
+
+    .venv/bin/python -m kvcs_soak [--requests N] [--concurrency C] ...   (scripts/ on PYTHONPATH)
+
+Starts a real producer and consumer (vLLM OpenAI servers of the patched tree,
+NIXL pull over UCX on loopback, the tiny Llama, checksums on, consumer
+fail-closed with policy "fail") and the demo's P/D proxy, with small KV
+caches so both sides preempt and reuse blocks. Both servers wrap their
+connector in the drill connector (vllm_kvchecksum.fault_connector) with no
+faults, only its ground truth (witness_path: digests of the bytes each
+producer request sent and each load received) and, on the consumer, stalls:
+a stalled consumer engine posts its reads late and sends no lease
+heartbeats, so the producer's short KV lease (kv_lease_duration) runs out
+and its blocks go to new requests before the consumer reads them — the
+read-after-reuse race operators hit in production, made by vLLM's own
+mechanisms. Traffic: `--concurrency` requests in flight, random arrivals,
+prompts of 1 to many blocks in families sharing long prefixes, varied
+max_tokens, and clients that disconnect at a random point.
+
+At the end: every ground-truth victim must be a mismatch, no clean load may
+be one, the consumer's and producer's counters must reconcile exactly, both
+engines must be alive and every request answered. Prints progress lines and
+a table, writes build/soak/report.json (docs/soak.md), exits non-zero when a
+check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from kvcs_demo import prom
+from kvcs_demo.demo import checksum_counts, diff
+from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
+from kvcs_demo.setups import (BLOCK_SIZE, CONNECTORS, MAX_MODEL_LEN, MODES, MOONCAKE_PROTOCOL, ROOT, Setup,
+                              make_models, mooncake_bootstrap, producer_engine_id, push_target, server_argv,
+                              server_env)
+from kvcs_demo.summary import log
+from kvcs_soak import truth
+
+STARTUP_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 240.0  # an answer later than this is a hang (reported, not waited for)
+SETTLE_S = 5.0  # counters unchanged this long: every verdict is in
+SETTLE_MAX_S = 120.0
+WORDS_PER_BLOCK = BLOCK_SIZE  # the tiny Llama's tokenizer: about one token per "wNNN" word
+CI_PRESET = {"requests": 300, "concurrency": 32, "min_clean": 200}
+# The run's phases and their shares of the requests: two equal waves of load
+# (memory after each must stay flat), then the race (consumer stalls on).
+PHASES = (("wave1", 0.4, False), ("wave2", 0.4, False), ("race", 0.2, True))
+
+
+# ----------------------------------------------------------------- traffic
+
+def words_of(key: str, n: int) -> list[str]:
+    rng = random.Random(key)
+    return [f"w{rng.randrange(4, 504)}" for _ in range(n)]
+
+
+@dataclass
+class Planned:
+    """One client request of the run."""
+
+    index: int
+    prompt: str
+    max_tokens: int
+    disconnect_after_s: float | None  # the client hangs up after this long (None: waits for the answer)
+    delay_s: float  # arrival: after this long from its worker's last request
+    # The client runs the two legs itself and hangs up on the consumer's
+    # leg after disconnect_after_s (short): an abort while its load is in flight.
+    abort_in_transfer: bool = False
+
+
+def plan_traffic(n: int, seed: int, *, families: int = 6, disconnect_rate: float = 0.1,
+                 abort_rate: float = 0.05, max_len: int = MAX_MODEL_LEN) -> list[Planned]:
+    """n requests: 60% extend one of `families` long shared prefixes (so the
+    consumer hits its own prefix cache and loads only the rest), 40% stand
+    alone; prompt lengths from 1 word to about 12 blocks; max_tokens 1-96 (decodes that outgrow their blocks);
+    `disconnect_rate` of the clients hang up at a random point (through the
+    proxy: during the producer's prefill, the transfer or the decode), and
+    `abort_rate` right after the consumer's leg starts (mid-transfer)."""
+    rng = random.Random(seed)
+    prefixes = [words_of(f"family-{seed}-{f}", rng.randrange(2 * WORDS_PER_BLOCK, 8 * WORDS_PER_BLOCK))
+                for f in range(families)]
+    out = []
+    for i in range(n):
+        max_tokens = rng.choice([1, 2, 4, 8, 16, 32, 64, 96])
+        budget = max_len - max_tokens - 8
+        if rng.random() < 0.6:
+            words = rng.choice(prefixes) + words_of(f"tail-{seed}-{i}", rng.randrange(0, 3 * WORDS_PER_BLOCK))
+        else:
+            words = words_of(f"alone-{seed}-{i}", rng.choice([1, rng.randrange(1, WORDS_PER_BLOCK + 2),
+                                                              rng.randrange(1, 12 * WORDS_PER_BLOCK)]))
+        draw = rng.random()
+        abort = draw < abort_rate
+        if abort:
+            disconnect = rng.uniform(0.0, 0.3)
+        else:
+            disconnect = rng.uniform(0.05, 4.0) if draw < abort_rate + disconnect_rate else None
+        out.append(Planned(i, " ".join(words[:budget]), max_tokens, disconnect, rng.expovariate(4.0), abort))
+    return out
+
+
+@dataclass
+class Answer:
+    index: int
+    status: int | None  # None: no HTTP answer (the client hung up, or the connection failed)
+    error: str | None
+    disconnected: bool
+    latency_s: float
+
+
+def send(client: httpx.Client, urls: dict[str, str], req: Planned) -> Answer:
+    body = {"model": "", "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0}
+    timeout = req.disconnect_after_s or REQUEST_TIMEOUT_S
+    t0 = time.monotonic()
+    url, headers = f"{urls['proxy']}/v1/completions", {"X-Request-Id": f"soak-{req.index}"}
+    try:
+        if req.abort_in_transfer:
+            # The proxy's two legs, run here: the consumer's leg is cut short.
+            prefill = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True,
+                                                                    "do_remote_prefill": False})
+            p = client.post(f"{urls['producer']}/v1/completions", json=prefill, timeout=REQUEST_TIMEOUT_S,
+                            headers={"X-Request-Id": f"soak-{req.index}-prefill"})
+            params = p.json().get("kv_transfer_params") if p.status_code == 200 else None
+            if not params:
+                return Answer(req.index, p.status_code, f"prefill leg: {p.text[:300]}", False,
+                              time.monotonic() - t0)
+            body = dict(body, kv_transfer_params=params)
+            url = f"{urls['consumer']}/v1/completions"
+        r = client.post(url, json=body, headers=headers, timeout=timeout)
+    except httpx.TimeoutException:
+        return Answer(req.index, None, None if req.disconnect_after_s else "timed out",
+                      req.disconnect_after_s is not None, time.monotonic() - t0)
+    except httpx.HTTPError as exc:
+        return Answer(req.index, None, f"{type(exc).__name__}: {exc}", False, time.monotonic() - t0)
+    error = None
+    if r.status_code != 200:
+        try:
+            error = str(r.json().get("error", {}).get("message") or r.text[:300])
+        except ValueError:
+            error = r.text[:300]
+    return Answer(req.index, r.status_code, error, False, time.monotonic() - t0)
+
+
+def run_traffic(urls: dict[str, str], planned: list[Planned], concurrency: int) -> list[Answer]:
+    """Each of `concurrency` clients sends its share, one request at a time,
+    after its random arrival delay; a progress line every 10 s."""
+    answers: list[Answer] = []
+    lock = threading.Lock()
+    queue = list(reversed(planned))
+    done = threading.Event()
+
+    def client_loop():
+        with httpx.Client() as client:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    req = queue.pop()
+                time.sleep(req.delay_s)
+                answer = send(client, urls, req)
+                with lock:
+                    answers.append(answer)
+
+    def progress():
+        t0 = time.monotonic()
+        while not done.wait(10.0):
+            with lock:
+                n, ok = len(answers), sum(a.status == 200 for a in answers)
+            width = 30
+            bar = "#" * (width * n // len(planned))
+            log(f"[{bar:<{width}}] {n}/{len(planned)} answered ({ok} ok) after {time.monotonic() - t0:.0f} s")
+
+    reporter = threading.Thread(target=progress, daemon=True)
+    reporter.start()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(client_loop) for _ in range(concurrency)]:
+            f.result()
+    done.set()
+    return sorted(answers, key=lambda a: a.index)
+
+
+# ----------------------------------------------------------------- servers
+
+def kv_config(role: str, witness: Path, args, control: Path | None = None, setup: Setup | None = None) -> dict:
+    """Both servers: the mode's connector inside the drill connector (no
+    faults; ground truth; on the consumer, stalls switched by `control`, the
+    drill's control file), a short KV lease, checksums on."""
+    mode = getattr(args, "mode", "pull")
+    child = {"kv_connector": CONNECTORS[mode], "kv_role": role}
+    if mode == "mooncake":
+        # Its lease is VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (server_specs).
+        child["kv_connector_extra_config"] = {"mooncake_protocol": MOONCAKE_PROTOCOL}
+    else:
+        child.update(kv_buffer_device="cpu", kv_connector_extra_config={"kv_lease_duration": args.lease_s})
+    drill = {"kinds": [], "rate": 0.0, "seed": args.seed, "witness_path": str(witness)}
+    if role == "kv_consumer":
+        drill.update(stall_rate=0.0, stall_s=args.stall_s)
+        if control is not None:
+            drill["control_path"] = str(control)
+    config = {"kv_connector": "KVChecksumFaultConnector", "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
+              "kv_role": role, "enable_kv_checksum": True, "kv_checksum_fail_closed": True,
+              "kv_load_failure_policy": "fail",
+              "kv_connector_extra_config": {"connectors": [child], "kv_checksum_faults": drill}}
+    if mode == "push" and role == "kv_producer" and setup is not None:
+        config["engine_id"] = producer_engine_id(setup)  # the consumers register with it by this id
+    return config
+
+
+def server_specs(setup: Setup, args, work: Path) -> dict[str, ServerSpec]:
+    specs = {}
+    for role, side in (("kv_producer", "producer"), ("kv_consumer", "consumer")):
+        port, side_port = free_port_block(1), free_port_block(8)
+        bootstrap = free_port_block(1) if setup.mode == "mooncake" and role == "kv_producer" else None
+        if bootstrap is not None:
+            setup.bootstrap_port = bootstrap
+        setup.side_ports[side] = side_port
+        witness = work / f"{side}.witness.jsonl"
+        witness.write_text("")
+        kv = kv_config(role, witness, args, control_path(work), setup)
+        argv = server_argv(args.python, setup, role, port, "cpu", kv)
+        # Small KV caches: both sides preempt and reuse blocks all the time.
+        argv += ["--num-gpu-blocks-override", str(args.blocks)]
+        env = server_env("cpu", side_port, mode=setup.mode, bootstrap_port=bootstrap) | {"PYTHONUNBUFFERED": "1"}
+        if setup.mode == "mooncake":
+            env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(args.lease_s)
+        setup.logs[side] = work / f"{side}.log"
+        setup.urls[side] = f"http://127.0.0.1:{port}"
+        specs[side] = ServerSpec(f"soak-{side}", argv, env, port, setup.logs[side])
+    return specs
+
+
+def proxy_argv(setup: Setup, python: str, port: int) -> list[str]:
+    """The demo's proxy over the pair, in the pair's mode."""
+    argv = [python, "-m", "kvcs_demo.proxy", "--port", str(port),
+            f"--pair={setup.name}={setup.urls['producer']},{setup.urls['consumer']}"]
+    if setup.mode == "push":
+        argv += ["--mode=push", f"--push-target={push_target(setup)}"]
+    elif setup.mode == "mooncake":
+        argv += ["--mode=mooncake", f"--bootstrap={mooncake_bootstrap(setup)}"]
+    return argv
+
+
+def control_path(work: Path) -> Path:
+    return work / "consumer.control.json"
+
+
+def set_stalls(work: Path, rate: float) -> None:
+    """The consumer's stall rate from now on (the drill's control file, replaced atomically)."""
+    tmp = work / "consumer.control.tmp"
+    tmp.write_text(json.dumps({"kinds": [], "rate": 0.0, "stall_rate": rate}))
+    os.replace(tmp, control_path(work))
+
+
+def scrape_counts(url: str) -> dict[str, float]:
+    """The checksum counters, plus vLLM's preemptions and finished requests."""
+    counts = checksum_counts(url)
+    for (name, labels), value in prom.scrape(url).items():
+        if name == "vllm:num_preemptions_total":
+            counts["preemptions"] = counts.get("preemptions", 0) + value
+        elif name == "vllm:request_success_total":
+            counts["finished"] = counts.get("finished", 0) + value
+    return counts
+
+
+def settle(urls: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Counters once they stopped moving for SETTLE_S (bounded by SETTLE_MAX_S)."""
+    last, since, deadline = None, time.monotonic(), time.monotonic() + SETTLE_MAX_S
+    while True:
+        now = {side: scrape_counts(url) for side, url in urls.items()}
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= SETTLE_S or time.monotonic() > deadline:
+            return now
+        time.sleep(1.0)
+
+
+def rss_mb(pgid: int) -> float:
+    """Resident memory of every process of a process group, in MiB."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+    return total / 1024
+
+
+# ----------------------------------------------------------------- report
+
+def build_report(args, answers, planned, counts, truths, started, alive, rss, wall) -> dict:
+    consumer, producer = counts["consumer"], counts["producer"]
+    hung_up = {a.index for a in answers if a.disconnected}
+    det = truth.detection(truths, hung_up, int(consumer.get("loads_not_compared/request_ended", 0)))
+    answered = {"ok": sum(a.status == 200 for a in answers),
+                "mismatch_503": sum(a.status == 503 and "kv_checksum_mismatch" in (a.error or "") for a in answers),
+                "disconnected": sum(a.disconnected for a in answers)}
+    # A load the connector itself reported failed ends its request with an
+    # error (policy "fail"): expected, and counted apart.
+    connector_failed = {truth.client_index(t.request_id) for t in truths if t.truth == "load_failed"}
+    answered["failed_by_the_connector"] = sum(a.status is not None and a.status >= 500 and
+                                              a.index in connector_failed for a in answers)
+    unexpected = [asdict(a) for a in answers if not a.disconnected and a.status != 200
+                  and not (a.status == 503 and "kv_checksum_mismatch" in (a.error or ""))
+                  and a.index not in connector_failed]
+    rec_c = truth.reconcile_consumer(consumer, started)
+    rec_p = truth.reconcile_producer(producer, producer.get("finished", 0))
+    failures = []
+    if not all(alive.values()):
+        failures.append(f"an engine died: {alive}")
+    if len(answers) != len(planned):
+        failures.append(f"{len(planned) - len(answers)} requests got no answer")
+    if unexpected:
+        failures.append(f"{len(unexpected)} requests failed for another reason than a KV checksum mismatch, "
+                        f"e.g. {unexpected[0]}")
+    if det["victims_missed"]:
+        failures.append(f"ground-truth victims not reported mismatched: {det['victims_missed'][:10]}")
+    if det["false_alarms"]:
+        failures.append(f"false mismatches on clean loads: {det['false_alarms'][:10]}")
+    if rec_c["difference"]:
+        failures.append(f"consumer counters do not reconcile: {rec_c}")
+    if rec_p["difference"]:
+        failures.append(f"producer counters do not reconcile: {rec_p}")
+    if det["clean"] < args.min_clean:
+        failures.append(f"only {det['clean']} clean loads (at least {args.min_clean} needed)")
+    if not consumer.get("preemptions") and not producer.get("preemptions"):
+        failures.append("no preemption on either side: the KV caches were not under pressure (--blocks)")
+    return {
+        "command": " ".join(sys.argv), "wall_s": wall,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "python")},
+        "answers": answered, "unexpected": unexpected[:20], "detection": det,
+        "answer_list": [[a.index, a.status, a.disconnected] for a in answers],
+        "consumer": rec_c, "producer": rec_p,
+        "preemptions": {"consumer": consumer.get("preemptions", 0), "producer": producer.get("preemptions", 0)},
+        "unverified": {k: v for k, v in consumer.items() if k.startswith("loads_unverified")},
+        "not_compared": {k: v for k, v in consumer.items() if k.startswith("loads_not_compared")},
+        "victims": [asdict(t) for t in truths if t.truth == "victim"][:50],
+        "engines_alive": alive, "rss_mb": rss,
+        "rss_growth_wave2_mb": {side: rss["wave2"][side] - rss["wave1"][side] for side in rss["wave1"]},
+        "failures": failures, "ok": not failures,
+    }
+
+
+def print_table(report: dict) -> None:
+    d, c, p = report["detection"], report["consumer"], report["producer"]
+    a = report["answers"]
+    rows = [
+        ("requests", f"{len(report['answer_list'])}: {a['ok']} ok, {a['mismatch_503']} failed by a KV checksum "
+                     f"mismatch, {a['failed_by_the_connector']} by a load the connector failed, "
+                     f"{a['disconnected']} clients hung up"),
+        ("preemptions", f"consumer {report['preemptions']['consumer']:.0f}, "
+                        f"producer {report['preemptions']['producer']:.0f}"),
+        ("loads (ground truth)", f"{d['loads']}: {d['clean']} clean, {d['victim']} victims, {d['unknown']} unknown, "
+                                 f"{d['load_failed']} failed by the connector"),
+        ("victims caught", f"{d['victims_caught']} of {d['victim']}" + (
+            f" ({len(d['victims_ended_unjudged'])} more ended before their verdict: clients hung up)"
+            if d["victims_ended_unjudged"] else "")),
+        ("false mismatches", f"{len(d['false_alarms'])} on {d['clean']} clean loads"),
+        ("consumer counters", f"started {c['loads_started']} = verified {c['loads_verified']} + mismatched "
+                              f"{c['loads_mismatched']} + unverified {c['loads_unverified']} + not compared "
+                              f"{c['loads_not_compared']} (difference {c['difference']})"),
+        ("producer counters", f"finished {p['finished']:.0f} = sent {p['sent']} + not sent {p['not_sent']} "
+                              f"(difference {p['difference']:.0f})"),
+        ("engines alive", ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in report["engines_alive"].items())),
+        ("RSS", ", ".join(f"{side} {report['rss_mb']['wave1'][side]:.0f} MiB after wave 1, "
+                          f"{growth:+.0f} MiB in wave 2" for side, growth in report["rss_growth_wave2_mb"].items())),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        log(f"  {name:<{width}}  {value}")
+    log(f"wall time {report['wall_s']:.0f} s; " + ("every check passed" if report["ok"] else
+                                                  f"{len(report['failures'])} check(s) FAILED:"))
+    for f in report["failures"]:
+        log(f"  FAIL {f}")
+
+
+# ----------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="make soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=1000, help="client requests in the run (default 1000)")
+    p.add_argument("--concurrency", type=int, default=48, help="requests in flight (default 48)")
+    p.add_argument("--blocks", type=int, default=24,
+                   help="KV cache blocks of each server (default 24, of 32 tokens: small, so both sides preempt)")
+    p.add_argument("--lease-s", type=int, default=5,
+                   help="the producer's KV lease (NIXL kv_lease_duration, seconds; vLLM's default is 30)")
+    p.add_argument("--stall-rate", type=float, default=0.1,
+                   help="in the race phase, the share of consumer loads whose start stalls the consumer's engine "
+                        "(default 0.1)")
+    p.add_argument("--stall-s", type=float, default=6.0, help="seconds each stall lasts (default 6, past the lease)")
+    p.add_argument("--disconnect-rate", type=float, default=0.1,
+                   help="share of clients that hang up at a random point (default 0.1)")
+    p.add_argument("--abort-rate", type=float, default=0.05,
+                   help="share of clients that hang up as their consumer leg starts, mid-transfer (default 0.05)")
+    p.add_argument("--min-clean", type=int, default=500, help="clean loads the run must judge (default 500)")
+    p.add_argument("--mode", choices=MODES, default="pull",
+                   help="the connector of both servers: NIXL pull (default), NIXL push, Mooncake P2P")
+    p.add_argument("--model", choices=("llama", "gemma2"), default="llama",
+                   help="the tiny Llama (one KV cache group) or the tiny Gemma-2 (sliding-window and full groups)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ci", action="store_true",
+                   help=f"the CI-sized run: {CI_PRESET['requests']} requests, {CI_PRESET['concurrency']} in flight, "
+                        f"at least {CI_PRESET['min_clean']} clean loads")
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "soak")
+    p.add_argument("--python", default=sys.executable)
+    args = p.parse_args(argv)
+    if args.ci:
+        args.requests, args.concurrency, args.min_clean = (CI_PRESET[k] for k in ("requests", "concurrency",
+                                                                                   "min_clean"))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    work = args.out
+    work.mkdir(parents=True, exist_ok=True)
+    for old in [*work.glob("*.log"), *work.glob("*.jsonl"), work / "report.json", work / "process_groups.json"]:
+        if old.is_file():
+            old.unlink()
+    setup = Setup("soak", make_models(ROOT / "build")[args.model], policy="fail", faults=False, mode=args.mode)
+    specs = server_specs(setup, args, work)
+    # Mid-transfer aborts need the pull legs (the client runs them itself);
+    # in push and Mooncake mode the proxy's legs run at once.
+    planned = plan_traffic(args.requests, args.seed, disconnect_rate=args.disconnect_rate,
+                           abort_rate=args.abort_rate if args.mode == "pull" else 0.0)
+    with ProcessGroup() as group:
+        servers = {side: group.start(spec) for side, spec in specs.items()}
+        proxy_port = free_port_block(1)
+        proxy = group.start(ServerSpec(
+            "soak-proxy", proxy_argv(setup, args.python, proxy_port),
+            {"PYTHONPATH": str(ROOT / "scripts"), "PYTHONUNBUFFERED": "1"}, proxy_port, work / "proxy.log"))
+        # Every process group the soak started, for checks that none outlives it.
+        (work / "process_groups.json").write_text(json.dumps(
+            {m.name: m.pgid for m in [*servers.values(), proxy]}))
+        group.wait_healthy([*servers.values(), proxy], timeout=STARTUP_TIMEOUT_S)
+        log(f"producer and consumer healthy after {time.monotonic() - t0:.0f} s; {args.requests} requests, "
+            f"{args.concurrency} in flight, {args.mode} mode, {args.model}, {args.blocks} KV blocks per server, "
+            f"lease {args.lease_s} s "
+            f"(logs in {work})")
+        before = {side: scrape_counts(setup.urls[side]) for side in servers}
+        rss = {"start": {side: rss_mb(m.pgid) for side, m in servers.items()}}
+        answers, first = [], 0
+        for phase, share, race in PHASES:
+            part = planned[first:] if phase == PHASES[-1][0] else planned[first:first + int(share * len(planned))]
+            first += len(part)
+            set_stalls(work, args.stall_rate if race else 0.0)
+            log(f"{phase}: {len(part)} requests" + (f", consumer stalls {args.stall_rate:.0%} x {args.stall_s:g} s"
+                                                    if race else ""))
+            answers += run_traffic({"proxy": proxy.url, **setup.urls}, part, args.concurrency)
+            settle({side: setup.urls[side] for side in servers})
+            rss[phase] = {side: rss_mb(m.pgid) for side, m in servers.items()}
+            log(f"{phase} done after {time.monotonic() - t0:.0f} s")
+        after = settle({side: setup.urls[side] for side in servers})
+        alive = {side: m.returncode is None for side, m in servers.items()}
+    counts = {side: diff(after[side], before[side]) for side in after}
+    sends = truth.read_lines(work / "producer.witness.jsonl")
+    consumer_lines = truth.read_lines(work / "consumer.witness.jsonl")
+    started = sum(1 for r in consumer_lines if r.get("event") == "load_started" and r.get("skipped") is None)
+    mismatched = truth.mismatched_requests(setup.logs["consumer"].read_text(errors="replace"))
+    truths = truth.judge_loads(sends, consumer_lines, mismatched)
+    report = build_report(args, answers, planned, counts, truths, started, alive, rss, time.monotonic() - t0)
+    (work / "report.json").write_text(json.dumps(report, indent=2))
+    print_table(report)
+    log(f"report: {work / 'report.json'}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

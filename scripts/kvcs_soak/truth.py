@@ -1,0 +1,129 @@
+"""What the soak concludes: ground truth against verdicts, and counters that must reconcile.
+
+Pure functions over what the run left behind (the drill connectors' witness
+lines, the consumer's log, /metrics deltas), so each rule is unit-tested
+(tests/demo/test_soak_truth.py). The ground truth is kv_witness's: a load is
+a victim when the bytes it received differ from what its producer sent at
+some block position both digested; clean when every position agrees;
+unknown when its producer's digests are missing (e.g. the producer was
+killed before it wrote them) or the two sides' TP sizes differ.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_kvchecksum.kv_witness import differing_positions
+
+_MISMATCH_LINE = re.compile(r"KV checksum mismatch for request '([^']*)'")
+_CLIENT_INDEX = re.compile(r"soak-(\d+)(?:-|$)")
+# The consumer's checksum counters (vllm:kv_checksum_<name>_total) a load ends in.
+LOAD_VERDICTS = ("loads_verified", "loads_mismatched", "loads_unverified", "loads_not_compared")
+
+
+def read_lines(path: Path) -> list[dict]:
+    """JSON lines of a witness file; a torn last line (a killed process) is skipped."""
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def client_index(request_id: str) -> int | None:
+    """The soak client a server's request id comes from (X-Request-Id soak-N,
+    which vLLM wraps as cmpl-soak-N-...), or None."""
+    m = _CLIENT_INDEX.search(request_id)
+    return int(m.group(1)) if m else None
+
+
+def mismatched_requests(log_text: str) -> set[str]:
+    """The consumer requests its scheduler logged a KV checksum mismatch for."""
+    return set(_MISMATCH_LINE.findall(log_text))
+
+
+@dataclass
+class LoadTruth:
+    request_id: str
+    truth: str  # "victim", "clean", "unknown" or "load_failed"
+    positions: dict[str, list[int]] = field(default_factory=dict)  # group -> differing block positions
+    verdict: str = "verified_or_other"  # "mismatch" when the consumer logged one
+
+
+def judge_loads(sends: Iterable[dict], loads: Iterable[dict], mismatched: set[str]) -> list[LoadTruth]:
+    """Each consumer load (a "load" or "load_failed" witness line) with its truth and verdict."""
+    sent = {}
+    for s in sends:
+        if s.get("side") == "send":
+            # A request sent twice (recomputed after a preemption): the last prompt digests count.
+            sent[s["request_id"]] = s
+    # Push and Mooncake loads do not name the producer's request id: their
+    # kv_transfer_params come from the proxy. Both legs carry the client's
+    # X-Request-Id (soak-N), so the client pairs them.
+    by_client = {client_index(rid): s for rid, s in sent.items() if client_index(rid) is not None}
+    # A load the connector reported failed (a "load_failed" line, also after
+    # its digests when the connector named its bad blocks) was never used.
+    failed = {load["request_id"] for load in loads if load.get("side") == "load_failed"}
+    out = []
+    for load in loads:
+        rid = load["request_id"]
+        verdict = "mismatch" if rid in mismatched else "verified_or_other"
+        if rid in failed:
+            if load.get("side") == "load_failed":
+                out.append(LoadTruth(rid, "load_failed", verdict=verdict))
+            continue
+        if load.get("side") != "load":
+            continue
+        producer = sent.get(load.get("remote_request_id")) or by_client.get(client_index(rid))
+        if producer is None or producer.get("tp_size") != load.get("tp_size"):
+            out.append(LoadTruth(rid, "unknown", verdict=verdict))
+            continue
+        positions = {}
+        for group, digests in (load.get("digests") or {}).items():
+            differ = differing_positions(producer.get("digests", {}).get(group, {}), digests)
+            if differ:
+                positions[group] = differ
+        out.append(LoadTruth(rid, "victim" if positions else "clean", positions, verdict))
+    return out
+
+
+def detection(truths: list[LoadTruth], hung_up: set[int] = frozenset(), ended_unjudged: int = 0) -> dict:
+    """The soak's headline: victims caught, false alarms among clean loads.
+
+    A victim that is no mismatch is missed, unless its client hung up and
+    the request ended before its load was judged: nobody used that KV (vLLM
+    caches a loaded block only for a request still there). At most
+    `ended_unjudged` loads (the consumer's not_compared{request_ended}) can
+    be excused so; any more are missed.
+    """
+    counts = Counter(t.truth for t in truths)
+    victims = [t for t in truths if t.truth == "victim"]
+    unjudged = [t for t in victims if t.verdict != "mismatch"]
+    excused = [t.request_id for t in unjudged if client_index(t.request_id) in hung_up][:ended_unjudged]
+    missed = [t.request_id for t in unjudged if t.request_id not in excused]
+    false_alarms = [t.request_id for t in truths if t.truth == "clean" and t.verdict == "mismatch"]
+    return {"loads": len(truths), **{k: counts.get(k, 0) for k in ("victim", "clean", "unknown", "load_failed")},
+            "victims_caught": len(victims) - len(unjudged), "victims_ended_unjudged": excused,
+            "victims_missed": missed, "false_alarms": false_alarms}
+
+
+def reconcile_consumer(delta: Mapping[str, int], loads_started: int) -> dict:
+    """loads started (the drill's scheduler lines) = verified + mismatched + unverified + not compared."""
+    judged = {name: sum(v for k, v in delta.items() if k.split("/")[0] == name) for name in LOAD_VERDICTS}
+    return {"loads_started": loads_started, **judged, "difference": loads_started - sum(judged.values())}
+
+
+def reconcile_producer(delta: Mapping[str, int], finished: int) -> dict:
+    """finished producer requests (vLLM's request_success_total) = sent + not sent."""
+    sent = delta.get("sent", 0)
+    not_sent = sum(v for k, v in delta.items() if k.split("/")[0] == "not_sent")
+    return {"finished": finished, "sent": sent, "not_sent": not_sent, "difference": finished - sent - not_sent}

@@ -1,0 +1,151 @@
+"""The soak's rules (scripts/kvcs_soak): ground truth against verdicts, counters, traffic, configs."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from kvcs_soak import soak, truth
+
+
+def send(rid, digests, tp=1):
+    return {"side": "send", "request_id": rid, "digests": {"0": digests}, "tp_size": tp}
+
+
+def load(rid, remote, digests, tp=1, side="load"):
+    return {"side": side, "request_id": rid, "remote_request_id": remote, "digests": {"0": digests}, "tp_size": tp}
+
+
+SENT = {"0": "a", "1": "b", "2": "c"}
+
+
+def test_a_load_is_a_victim_where_its_bytes_differ_and_clean_otherwise():
+    sends = [send("p1", SENT), send("p2", SENT)]
+    loads = [load("c1", "p1", {"1": "b", "2": "c"}),      # after a local hit: positions 1.. only
+             load("c2", "p2", {"0": "a", "1": "X", "2": "c"}),
+             load("c3", "p-gone", {"0": "a"}),            # its producer's digests are missing
+             load("c4", "p1", {"0": "a"}, tp=2),          # other TP size: digests not comparable
+             load("c5", "p1", {}, side="load_failed")]
+    got = {t.request_id: (t.truth, t.positions) for t in truth.judge_loads(sends, loads, set())}
+    assert got == {"c1": ("clean", {}), "c2": ("victim", {"0": [1]}), "c3": ("unknown", {}),
+                   "c4": ("unknown", {}), "c5": ("load_failed", {})}
+
+
+def test_loads_that_do_not_name_the_producer_request_pair_by_client():
+    """Push and Mooncake: the consumer's params come from the proxy, so the
+    client's X-Request-Id (soak-N, on both legs) pairs a load with its send."""
+    sends = [send("cmpl-soak-7-0-aa", SENT), send("cmpl-soak-8-0-bb", {"0": "z"})]
+    loads = [load("cmpl-soak-7-0-cc", "soak-7", {"0": "a"}), load("cmpl-soak-8-0-dd", None, {"0": "a"}),
+             load("cmpl-other", None, {"0": "a"})]
+    got = [t.truth for t in truth.judge_loads(sends, loads, set())]
+    assert got == ["clean", "victim", "unknown"]
+
+
+def test_a_load_the_connector_failed_after_its_digests_is_a_failed_load():
+    sends = [send("p", SENT)]
+    loads = [load("c1", "p", {"0": "X"}), load("c1", "p", {}, side="load_failed"), load("c2", "p", {"0": "a"})]
+    assert [(t.request_id, t.truth) for t in truth.judge_loads(sends, loads, set())] == [
+        ("c1", "load_failed"), ("c2", "clean")]
+
+
+def test_a_producer_sent_twice_is_judged_by_its_last_send():
+    sends = [send("p1", {"0": "old"}), send("p1", {"0": "new"})]
+    [t] = truth.judge_loads(sends, [load("c1", "p1", {"0": "new"})], set())
+    assert t.truth == "clean"
+
+
+def test_detection_counts_missed_victims_and_false_alarms():
+    sends = [send("p", SENT)]
+    loads = [load("caught", "p", {"0": "X"}), load("missed", "p", {"0": "X"}),
+             load("fine", "p", {"0": "a"}), load("cried", "p", {"0": "a"})]
+    det = truth.detection(truth.judge_loads(sends, loads, {"caught", "cried"}))
+    assert (det["victim"], det["clean"], det["victims_caught"]) == (2, 2, 1)
+    assert det["victims_missed"] == ["missed"] and det["false_alarms"] == ["cried"]
+
+
+def test_a_victim_whose_client_hung_up_is_excused_only_up_to_the_loads_never_judged():
+    sends = [send("p", SENT)]
+    loads = [load("cmpl-soak-3-0-ab", "p", {"0": "X"}), load("cmpl-soak-4-0-cd", "p", {"0": "X"}),
+             load("cmpl-soak-5-0-ef", "p", {"0": "X"})]
+    truths = truth.judge_loads(sends, loads, set())
+    det = truth.detection(truths, hung_up={3, 4}, ended_unjudged=1)
+    assert det["victims_ended_unjudged"] == ["cmpl-soak-3-0-ab"]
+    assert det["victims_missed"] == ["cmpl-soak-4-0-cd", "cmpl-soak-5-0-ef"]
+    assert truth.detection(truths, hung_up={3, 4, 5}, ended_unjudged=5)["victims_missed"] == []
+    assert truth.client_index("cmpl-soak-12-prefill-0-ab") == 12 and truth.client_index("cmpl-x") is None
+
+
+def test_mismatch_lines_name_the_consumer_request():
+    text = ("ERROR 12-04 [scheduler.py:825] KV checksum mismatch for request 'cmpl-soak-3-0-ab12': group 0 "
+            "differs at block positions 2 (1 of 5 compared); failing the load\n"
+            "WARNING KV loads are unverified (no_producer_checksums), ... e.g. KV checksums of request 'x'\n")
+    assert truth.mismatched_requests(text) == {"cmpl-soak-3-0-ab12"}
+
+
+def test_counters_reconcile_only_when_every_load_and_send_is_counted():
+    delta = {"loads_verified": 7, "loads_mismatched": 2, "loads_unverified/no_producer_checksums": 1,
+             "loads_not_compared/request_ended": 3, "loads_not_compared/load_failed": 1, "mismatched_blocks": 5}
+    assert truth.reconcile_consumer(delta, 14)["difference"] == 0
+    assert truth.reconcile_consumer(delta, 15)["difference"] == 1
+    assert truth.reconcile_producer({"sent": 9, "not_sent/sum_failed": 1}, 10)["difference"] == 0
+    assert truth.reconcile_producer({"sent": 9}, 10)["difference"] == 1
+
+
+def test_a_torn_witness_line_is_skipped(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text(json.dumps(send("p", SENT)) + "\n" + '{"side": "lo')
+    assert truth.read_lines(path) == [send("p", SENT)]
+    assert truth.read_lines(tmp_path / "missing.jsonl") == []
+
+
+def test_traffic_is_reproducible_and_varied():
+    a, b = soak.plan_traffic(400, seed=3), soak.plan_traffic(400, seed=3)
+    assert a == b and a != soak.plan_traffic(400, seed=4)
+    lengths = [len(p.prompt.split()) for p in a]
+    assert min(lengths) == 1 and max(lengths) > 8 * soak.WORDS_PER_BLOCK
+    assert all(n + p.max_tokens < soak.MAX_MODEL_LEN for n, p in zip(lengths, a))
+    assert 0.1 < sum(p.disconnect_after_s is not None for p in a) / len(a) < 0.2
+    aborts = [p for p in a if p.abort_in_transfer]
+    assert 0.02 < len(aborts) / len(a) < 0.08 and all(p.disconnect_after_s <= 0.3 for p in aborts)
+    # Families: many prompts share a first block with another.
+    firsts = [" ".join(p.prompt.split()[:soak.WORDS_PER_BLOCK]) for p in a]
+    assert len(set(firsts)) < len(firsts) * 0.6
+    assert {p.max_tokens for p in a} >= {1, 96}
+
+
+def test_both_servers_witness_and_only_the_consumer_stalls(tmp_path):
+    args = SimpleNamespace(lease_s=2, seed=5, stall_rate=0.1, stall_s=3.0)
+    for role in ("kv_producer", "kv_consumer"):
+        cfg = soak.kv_config(role, tmp_path / "w.jsonl", args, soak.control_path(tmp_path))
+        assert cfg["kv_connector"] == "KVChecksumFaultConnector" and cfg["kv_checksum_fail_closed"]
+        extra = cfg["kv_connector_extra_config"]
+        [child] = extra["connectors"]
+        assert child["kv_connector_extra_config"] == {"kv_lease_duration": 2} and child["kv_role"] == role
+        drill = extra["kv_checksum_faults"]
+        assert drill["rate"] == 0.0 and drill["witness_path"] == str(tmp_path / "w.jsonl")
+        # Stalls only through the consumer's control file, set per phase.
+        assert drill.get("stall_rate", 0) == 0 and ("control_path" in drill) == (role == "kv_consumer")
+        from vllm_kvchecksum.fault_connector import ControlFile, parse_fault_settings
+
+        parse_fault_settings(extra)  # the drill connector accepts it
+    control = ControlFile(str(soak.control_path(tmp_path)), (), 0.0)
+    for rate in (0.25, 0.0):
+        soak.set_stalls(tmp_path, rate)
+        assert control.stall_rate() == rate and control.settings() == ((), 0.0)
+
+
+@pytest.mark.parametrize("argv, requests", [([], 1000), (["--ci"], soak.CI_PRESET["requests"])])
+def test_ci_preset(argv, requests):
+    assert soak.parse_args(argv).requests == requests
+
+
+def test_vllm_pd_tests_pass_only_with_tests_green_and_every_load_verified():
+    from kvcs_soak import vllm_pd_tests as v
+
+    assert v.judge(0, {"loads_verified": 3}) == []
+    assert v.judge(1, {"loads_verified": 3}) == ["vLLM's P/D tests failed (pytest exit 1)"]
+    assert v.judge(0, {}) == ["the consumer verified no load: the tests made no P/D transfer with checksums"]
+    assert v.judge(0, {"loads_verified": 2, "loads_unverified/no_producer_checksums": 1}) == [
+        "loads not verified: {'loads_unverified/no_producer_checksums': 1}"]
+    assert v.kv_config()["enable_kv_checksum"] and v.kv_config()["kv_role"] == "kv_both"

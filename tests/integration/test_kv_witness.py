@@ -1,0 +1,221 @@
+"""The soak's ground truth: digests of the KV bytes a transfer moved (kv_witness).
+
+The fault connector's worker half over real CPU caches digests a producer
+request's sent blocks and a load's received blocks; the digests agree for a
+faithful copy and differ exactly at the blocks a fault changed. Its
+scheduler half plans the digests of every async load (the checksum
+scheduler's blocks) and of every send, and stalls a step when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from test_fault_connector import (BLOCK, PROMPT, STUB, bind_plans, create, fault_config, finish, plan_of,
+                                  read_records, sides, start_load, worker)  # noqa: F401 (fixtures)
+from pd_harness import make_side, prefill, prompt_of, run_local
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from vllm_kvchecksum import fault_connector as fc
+from vllm_kvchecksum.kv_witness import block_digests, differing_positions
+
+SENT = (3, 5, 7, 9, 11)
+COPY = (13, 15, 17, 19, 21)
+NUM_TOKENS = 4 * BLOCK + 3
+
+
+def copy_blocks(caches, src, dst):
+    for t in caches.values():
+        t[list(dst)] = t[list(src)]
+
+
+def witness(conn, *, loads=None, sends=None, plans=None):
+    conn.bind_connector_metadata(fc.FaultConnectorMetadata(metadata=(None,), fault_plans=plans or {},
+                                                           witness_loads=loads or {}, witness_sends=sends or {}))
+
+
+def records(tmp_path, side):
+    return [r for r in read_records(tmp_path / "witness.jsonl") if r["side"] == side]
+
+
+@pytest.mark.parametrize("fault", [None, "flip_bit", "swap_blocks", "change_tail"])
+def test_a_loads_digests_differ_from_its_senders_exactly_where_its_bytes_do(fault, worker, tmp_path):
+    conn, caches = worker({"witness_path": str(tmp_path / "witness.jsonl")})
+    witness(conn, sends={"p": fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT)})})
+    finish(conn)
+    [sent] = records(tmp_path, "send")
+    assert sent["request_id"] == "p" and sorted(sent["digests"]["0"]) == ["0", "1", "2", "3", "4"]
+    # The transfer: a faithful copy of the sent blocks (positions 1.. after a
+    # one-block local hit), then the fault, if any, on the load.
+    copy_blocks(caches, SENT, COPY)
+    load = fc.WitnessPlan(NUM_TOKENS, {0: (1, COPY[1:])}, remote_request_id="p")
+    witness(conn, loads={"c": load}, plans={"c": plan_of(fault, first_position=1, block_ids=COPY[1:])} if fault else None)
+    finish(conn, finished={"c"})
+    [loaded] = records(tmp_path, "load")
+    assert loaded["remote_request_id"] == "p" and sorted(loaded["digests"]["0"]) == ["1", "2", "3", "4"]
+    differ = differing_positions(sent["digests"]["0"], loaded["digests"]["0"])
+    injected = [r for r in read_records(tmp_path / "injections.jsonl")] if fault else []
+    if fault in (None, "change_tail"):
+        # change_tail writes only past the prompt's last token: not the request's KV.
+        assert differ == []
+    else:
+        assert injected and differ == sorted(injected[0]["positions"])
+
+
+def test_digests_cover_only_the_requests_token_slots(worker):
+    _, caches = worker()
+    before = block_digests(caches, SENT, 0, NUM_TOKENS, BLOCK)
+    name = next(iter(caches))
+    caches[name][SENT[-1], :, BLOCK - 1].view(torch.uint8).bitwise_xor_(0xFF)  # past token NUM_TOKENS
+    assert block_digests(caches, SENT, 0, NUM_TOKENS, BLOCK) == before
+    caches[name][SENT[-1], :, 2].view(torch.uint8).bitwise_xor_(0xFF)  # the last token's slot
+    after = block_digests(caches, SENT, 0, NUM_TOKENS, BLOCK)
+    assert [p for p in before if before[p] != after[p]] == [4]
+
+
+def test_failed_and_ended_loads_leave_no_load_digest(worker, tmp_path):
+    conn, _ = worker({"witness_path": str(tmp_path / "witness.jsonl")})
+    plan = fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT)}, remote_request_id="p")
+    witness(conn, loads={"failed": plan, "ended": plan, "late": plan})
+    finish(conn, finished={"ended"}, failed={"failed"}, ended={"ended"})
+    assert [(r["side"], r["request_id"]) for r in read_records(tmp_path / "witness.jsonl")] == [
+        ("load_failed", "failed")]
+    assert set(conn._witness_loads) == {"late"}
+
+
+def test_only_tp_rank_zero_of_stage_zero_digests(worker, monkeypatch, tmp_path):
+    monkeypatch.setattr(fc, "_parallel_ranks", lambda: (1, 0))
+    conn, _ = worker({"witness_path": str(tmp_path / "witness.jsonl")})
+    witness(conn, sends={"p": fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT)})})
+    finish(conn)
+    assert not (tmp_path / "witness.jsonl").exists()
+
+
+def test_every_async_load_and_send_is_planned_by_the_checksum_schedulers_blocks(sides, tmp_path):
+    path = tmp_path / "witness.jsonl"
+    C = sides("kv_consumer", faults_cfg={"kinds": [], "rate": 0.0, "witness_path": str(path)})
+    P = sides("kv_producer", faults_cfg={"kinds": [], "rate": 0.0, "witness_path": str(path)})
+    prompt = prompt_of(PROMPT)
+    run_local(C, prompt[:32])
+    sched = P.scheduler.schedule
+    sends = []
+
+    def spy():
+        out = sched()
+        sends.append((out.kv_connector_metadata.witness_sends, out.kv_checksum_scheduled))
+        return out
+
+    P.scheduler.schedule = spy
+    preq, params = prefill(P, prompt)
+    [(plans, scheduled)] = [(w, s) for w, s in sends if w]
+    # The blocks the checksum scheduler has the workers checksum in the same step.
+    blocks = scheduled.reqs_to_send[preq.request_id]
+    assert plans == {preq.request_id: fc.WitnessPlan(blocks.num_tokens, {g: (b.start, tuple(b.block_ids))
+                                                                        for g, b in blocks.groups.items()})}
+    req, out = start_load(C, preq, params)
+    plan = out.kv_connector_metadata.witness_loads[req.request_id]
+    recv = C.scheduler.kv_checksum._recvs[req.request_id].blocks
+    assert plan == fc.WitnessPlan(recv.num_tokens, {g: (b.start, b.block_ids) for g, b in recv.groups.items()},
+                                  remote_request_id=preq.request_id)
+    assert plan.groups[0][0] == 2  # after the local hit
+    [started] = [r for r in read_records(path) if r["side"] == "scheduler"]
+    assert (started["event"], started["request_id"], started["remote_request_id"]) == (
+        "load_started", req.request_id, preq.request_id)
+    # Planned once.
+    C.run_workers(out)
+    assert C.scheduler.schedule().kv_connector_metadata.witness_loads == {}
+
+
+def test_a_stall_holds_the_step_before_its_transfers_are_posted(worker, monkeypatch):
+    slept = []
+    monkeypatch.setattr(fc.time, "sleep", slept.append)
+    conn, _ = worker()
+    conn.bind_connector_metadata(fc.FaultConnectorMetadata(metadata=(None,), stall_s=2.5))
+    conn.bind_connector_metadata(fc.FaultConnectorMetadata(metadata=(None,)))
+    assert slept == [2.5] and conn.sub_connectors[0].bound[0] is None
+
+
+@pytest.mark.parametrize("section, key", [({"stall_s": 61}, "stall_s"), ({"stall_s": -1}, "stall_s"),
+                                          ({"stall_rate": 2}, "stall_rate"), ({"witness_path": ""}, "witness_path")])
+def test_bad_witness_and_stall_settings_name_the_key(section, key):
+    with pytest.raises(ValueError, match=f"kv_checksum_faults.{key}"):
+        fc.parse_fault_settings({"kv_checksum_faults": section})
+
+
+def test_stalls_are_drawn_per_load_started(sides, monkeypatch):
+    C = sides("kv_consumer", faults_cfg={"kinds": [], "rate": 0.0, "stall_rate": 1.0, "stall_s": 1.5})
+    P = make_side("kv_producer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    monkeypatch.setattr(fc.time, "sleep", lambda s: None)
+    _, out = start_load(C, preq, params)
+    assert out.kv_connector_metadata.stall_s == 1.5
+    assert C.scheduler.schedule().kv_connector_metadata.stall_s == 0.0
+
+
+def test_only_the_step_that_finishes_the_prompt_is_witnessed(sides, tmp_path):
+    """A producer request that decodes on (max_tokens 3) is digested once,
+    in its prompt's step, over the prompt's tokens."""
+    from pd_harness import forward_of, make_request
+
+    P = sides("kv_producer", faults_cfg={"kinds": [], "rate": 0.0, "witness_path": str(tmp_path / "w.jsonl")})
+    req = make_request(prompt_of(PROMPT), remote_decode=True, block_size=P.block_size)
+    req.max_tokens = req.sampling_params.max_tokens = 3
+    P.scheduler.add_request(req)
+    forward, plans = forward_of(P, req), []
+    for _ in range(6):
+        out, _ = P.step(forward=forward)
+        plans.append(out.kv_connector_metadata.witness_sends)
+        if req.is_finished():
+            break
+    assert req.is_finished() and len(plans) == 3
+    assert [list(p) for p in plans] == [[req.request_id], [], []]
+    assert plans[0][req.request_id].num_tokens == PROMPT
+
+
+def test_stalls_follow_the_control_file(sides, tmp_path):
+    control = tmp_path / "control.json"
+    C = sides("kv_consumer", faults_cfg={"kinds": [], "rate": 0.0, "stall_rate": 0.0, "stall_s": 1.5,
+                                         "control_path": str(control)})
+    P = make_side("kv_producer")
+    stalls = []
+    for rate in (0.0, 1.0, "bad"):
+        control.write_text(json.dumps({"stall_rate": rate}))
+        preq, params = prefill(P, prompt_of(PROMPT, seed=len(stalls)))
+        _, out = start_load(C, preq, params)
+        stalls.append(out.kv_connector_metadata.stall_s)
+    # An invalid control file: no faults and no stalls.
+    assert stalls == [0.0, 1.5, 0.0]
+
+
+def test_each_load_draws_its_stall(sides, monkeypatch):
+    """stall_rate is a share of the loads, drawn per load (seeded): some
+    steps stall, some do not."""
+    C = sides("kv_consumer", faults_cfg={"kinds": [], "rate": 0.0, "stall_rate": 0.5, "stall_s": 1.0, "seed": 2})
+    P = make_side("kv_producer")
+    monkeypatch.setattr(fc.time, "sleep", lambda s: None)
+    stalls = set()
+    for seed in range(12):
+        preq, params = prefill(P, prompt_of(PROMPT, seed=seed))
+        _, out = start_load(C, preq, params)
+        C.run_workers(out)
+        stalls.add(out.kv_connector_metadata.stall_s)
+    assert stalls == {0.0, 1.0}
+
+
+def test_a_load_whose_blocks_the_connector_names_failed_is_a_failed_load(worker, tmp_path):
+    """Some connectors (Mooncake) report a failed load as finished and name
+    its bad blocks in get_block_ids_with_load_errors, in the same step."""
+    conn, _ = worker({"witness_path": str(tmp_path / "witness.jsonl")})
+    witness(conn, loads={"bad": fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT)}, remote_request_id="p"),
+                         "good": fc.WitnessPlan(NUM_TOKENS, {0: (0, COPY)}, remote_request_id="q")})
+    finish(conn, finished={"bad", "good"})
+    conn.sub_connectors[0].get_block_ids_with_load_errors = lambda: {SENT[2]}
+    assert conn.get_block_ids_with_load_errors() == {SENT[2]}
+    sides_seen = [(r["side"], r["request_id"]) for r in read_records(tmp_path / "witness.jsonl")]
+    assert sides_seen == [("load", "bad"), ("load", "good"), ("load_failed", "bad")]
+    # Only this step's loads: a later step's errors name no earlier load.
+    assert conn.get_block_ids_with_load_errors() == {SENT[2]}
+    assert len(read_records(tmp_path / "witness.jsonl")) == 3
