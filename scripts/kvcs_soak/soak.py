@@ -79,6 +79,9 @@ class Planned:
     # The client runs the two legs itself and hangs up on the consumer's
     # leg after disconnect_after_s (short): an abort while its load is in flight.
     abort_in_transfer: bool = False
+    # Streams its answer (behind vLLM's toy proxy; the demo's proxy serves
+    # non-streaming completions only).
+    stream: bool = False
 
 
 def plan_traffic(n: int, seed: int, *, families: int = 6, disconnect_rate: float = 0.1,
@@ -107,7 +110,8 @@ def plan_traffic(n: int, seed: int, *, families: int = 6, disconnect_rate: float
             disconnect = rng.uniform(0.0, 0.3)
         else:
             disconnect = rng.uniform(0.05, 4.0) if draw < abort_rate + disconnect_rate else None
-        out.append(Planned(i, " ".join(words[:budget]), max_tokens, disconnect, rng.expovariate(4.0), abort))
+        out.append(Planned(i, " ".join(words[:budget]), max_tokens, disconnect, rng.expovariate(4.0), abort,
+                           rng.random() < 0.5))
     return out
 
 
@@ -138,6 +142,8 @@ def send(client: httpx.Client, urls: dict[str, str], req: Planned) -> Answer:
                               time.monotonic() - t0)
             body = dict(body, kv_transfer_params=params)
             url = f"{urls['consumer']}/v1/completions"
+        if req.stream and urls.get("streams") and not req.abort_in_transfer:
+            return read_stream(client, url, dict(body, stream=True), headers, req, t0)
         r = client.post(url, json=body, headers=headers, timeout=timeout)
     except httpx.TimeoutException:
         return Answer(req.index, None, None if req.disconnect_after_s else "timed out",
@@ -151,6 +157,28 @@ def send(client: httpx.Client, urls: dict[str, str], req: Planned) -> Answer:
         except ValueError:
             error = r.text[:300]
     return Answer(req.index, r.status_code, error, False, time.monotonic() - t0)
+
+
+def read_stream(client: httpx.Client, url: str, body: dict, headers: dict, req: Planned, t0: float) -> Answer:
+    """A streaming client: reads the server-sent events to the end, or hangs
+    up after req.disconnect_after_s. An error arrives as an event (the status
+    is already 200), or as a connection the proxy cuts mid-answer."""
+    error = None
+    try:
+        with client.stream("POST", url, json=body, headers=headers, timeout=REQUEST_TIMEOUT_S) as r:
+            if r.status_code != 200:
+                return Answer(req.index, r.status_code, r.read().decode(errors="replace")[:300], False,
+                              time.monotonic() - t0)
+            for line in r.iter_lines():
+                if req.disconnect_after_s is not None and time.monotonic() - t0 > req.disconnect_after_s:
+                    return Answer(req.index, None, None, True, time.monotonic() - t0)
+                if line.startswith("data:") and '"error"' in line:
+                    error = line[5:].strip()[:300]
+    except httpx.TimeoutException:
+        return Answer(req.index, None, "timed out", False, time.monotonic() - t0)
+    except httpx.HTTPError as exc:
+        error = f"stream cut: {type(exc).__name__}: {exc}"
+    return Answer(req.index, 200 if error is None else 599, error, False, time.monotonic() - t0)
 
 
 def run_traffic(urls: dict[str, str], planned: list[Planned], concurrency: int) -> list[Answer]:
@@ -241,8 +269,14 @@ def server_specs(setup: Setup, args, work: Path) -> dict[str, ServerSpec]:
     return specs
 
 
-def proxy_argv(setup: Setup, python: str, port: int) -> list[str]:
-    """The demo's proxy over the pair, in the pair's mode."""
+def proxy_argv(setup: Setup, python: str, port: int, which: str = "project") -> list[str]:
+    """The demo's proxy over the pair, in the pair's mode; or vLLM's own toy
+    proxy (pull mode)."""
+    if which == "vllm":
+        from kvcs_soak.vllm_pd_tests import toy_proxy_argv
+
+        return toy_proxy_argv(python, port, int(setup.urls["producer"].rsplit(":", 1)[1]),
+                              int(setup.urls["consumer"].rsplit(":", 1)[1]))
     argv = [python, "-m", "kvcs_demo.proxy", "--port", str(port),
             f"--pair={setup.name}={setup.urls['producer']},{setup.urls['consumer']}"]
     if setup.mode == "push":
@@ -307,7 +341,11 @@ def rss_mb(pgid: int) -> float:
 def build_report(args, answers, planned, counts, truths, started, alive, rss, wall) -> dict:
     consumer, producer = counts["consumer"], counts["producer"]
     hung_up = {a.index for a in answers if a.disconnected}
-    det = truth.detection(truths, hung_up, int(consumer.get("loads_not_compared/request_ended", 0)))
+    # vLLM's toy proxy gives the servers ids of its own (uuid): a load names
+    # no client, so hung-up clients and failed answers are matched by count.
+    by_count = getattr(args, "proxy", "project") == "vllm"
+    det = truth.detection(truths, None if by_count else hung_up,
+                          int(consumer.get("loads_not_compared/request_ended", 0)))
     answered = {"ok": sum(a.status == 200 for a in answers),
                 "mismatch_503": sum(a.status == 503 and "kv_checksum_mismatch" in (a.error or "") for a in answers),
                 "disconnected": sum(a.disconnected for a in answers)}
@@ -319,6 +357,15 @@ def build_report(args, answers, planned, counts, truths, started, alive, rss, wa
     unexpected = [asdict(a) for a in answers if not a.disconnected and a.status != 200
                   and not (a.status == 503 and "kv_checksum_mismatch" in (a.error or ""))
                   and a.index not in connector_failed]
+    if by_count:
+        # Behind the toy proxy a failed load cuts the stream (or answers a
+        # bare error): at most one failed answer per mismatched or
+        # connector-failed load, those of direct-leg clients aside.
+        explained = det["victims_caught"] + det["load_failed"] + sum(
+            t.verdict == "mismatch" for t in truths if t.truth == "clean")
+        direct = [a for a in unexpected if planned[a["index"]].abort_in_transfer]
+        rest = [a for a in unexpected if not planned[a["index"]].abort_in_transfer]
+        unexpected = direct + rest[explained:]
     rec_c = truth.reconcile_consumer(consumer, started)
     rec_p = truth.reconcile_producer(producer, producer.get("finished", 0))
     failures = []
@@ -414,6 +461,10 @@ def parse_args(argv=None):
                    help="the connector of both servers: NIXL pull (default), NIXL push, Mooncake P2P")
     p.add_argument("--model", choices=("llama", "gemma2"), default="llama",
                    help="the tiny Llama (one KV cache group) or the tiny Gemma-2 (sliding-window and full groups)")
+    p.add_argument("--proxy", choices=("project", "vllm"), default="project",
+                   help="the demo's P/D proxy (default), or vLLM's own toy proxy "
+                        "(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py; pull mode; half the "
+                        "clients stream)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ci", action="store_true",
                    help=f"the CI-sized run: {CI_PRESET['requests']} requests, {CI_PRESET['concurrency']} in flight, "
@@ -421,6 +472,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "build" / "soak")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
+    if args.proxy == "vllm" and args.mode != "pull":
+        p.error("--proxy vllm drives the pull layout only (vLLM's toy proxy runs the two pull legs)")
     if args.ci:
         args.requests, args.concurrency, args.min_clean = (CI_PRESET[k] for k in ("requests", "concurrency",
                                                                                    "min_clean"))
@@ -445,8 +498,9 @@ def main(argv=None) -> int:
         servers = {side: group.start(spec) for side, spec in specs.items()}
         proxy_port = free_port_block(1)
         proxy = group.start(ServerSpec(
-            "soak-proxy", proxy_argv(setup, args.python, proxy_port),
-            {"PYTHONPATH": str(ROOT / "scripts"), "PYTHONUNBUFFERED": "1"}, proxy_port, work / "proxy.log"))
+            "soak-proxy", proxy_argv(setup, args.python, proxy_port, args.proxy),
+            {"PYTHONPATH": str(ROOT / "scripts"), "PYTHONUNBUFFERED": "1"}, proxy_port, work / "proxy.log",
+            health_path="/healthcheck" if args.proxy == "vllm" else "/health"))
         # Every process group the soak started, for checks that none outlives it.
         (work / "process_groups.json").write_text(json.dumps(
             {m.name: m.pgid for m in [*servers.values(), proxy]}))
@@ -464,7 +518,8 @@ def main(argv=None) -> int:
             set_stalls(work, args.stall_rate if race else 0.0)
             log(f"{phase}: {len(part)} requests" + (f", consumer stalls {args.stall_rate:.0%} x {args.stall_s:g} s"
                                                     if race else ""))
-            answers += run_traffic({"proxy": proxy.url, **setup.urls}, part, args.concurrency)
+            answers += run_traffic({"proxy": proxy.url, **setup.urls, "streams": args.proxy == "vllm"}, part,
+                                   args.concurrency)
             settle({side: setup.urls[side] for side in servers})
             rss[phase] = {side: rss_mb(m.pgid) for side, m in servers.items()}
             log(f"{phase} done after {time.monotonic() - t0:.0f} s")

@@ -96,19 +96,21 @@ def judge_loads(sends: Iterable[dict], loads: Iterable[dict], mismatched: set[st
     return out
 
 
-def detection(truths: list[LoadTruth], hung_up: set[int] = frozenset(), ended_unjudged: int = 0) -> dict:
+def detection(truths: list[LoadTruth], hung_up: set[int] | None = frozenset(), ended_unjudged: int = 0) -> dict:
     """The soak's headline: victims caught, false alarms among clean loads.
 
     A victim that is no mismatch is missed, unless its client hung up and
     the request ended before its load was judged: nobody used that KV (vLLM
     caches a loaded block only for a request still there). At most
     `ended_unjudged` loads (the consumer's not_compared{request_ended}) can
-    be excused so; any more are missed.
+    be excused so; any more are missed. hung_up None: the loads name no
+    client (vLLM's toy proxy), so only that count bounds the excuse.
     """
     counts = Counter(t.truth for t in truths)
     victims = [t for t in truths if t.truth == "victim"]
     unjudged = [t for t in victims if t.verdict != "mismatch"]
-    excused = [t.request_id for t in unjudged if client_index(t.request_id) in hung_up][:ended_unjudged]
+    excused = [t.request_id for t in unjudged
+               if hung_up is None or client_index(t.request_id) in hung_up][:ended_unjudged]
     missed = [t.request_id for t in unjudged if t.request_id not in excused]
     false_alarms = [t.request_id for t in truths if t.truth == "clean" and t.verdict == "mismatch"]
     return {"loads": len(truths), **{k: counts.get(k, 0) for k in ("victim", "clean", "unknown", "load_failed")},

@@ -76,6 +76,13 @@ def test_a_victim_whose_client_hung_up_is_excused_only_up_to_the_loads_never_jud
     assert truth.client_index("cmpl-soak-12-prefill-0-ab") == 12 and truth.client_index("cmpl-x") is None
 
 
+def test_behind_a_proxy_with_ids_of_its_own_only_the_count_bounds_the_excuse():
+    sends = [send("p", SENT)]
+    loads = [load("uuid-1", "p", {"0": "X"}), load("uuid-2", "p", {"0": "X"})]
+    det = truth.detection(truth.judge_loads(sends, loads, set()), hung_up=None, ended_unjudged=1)
+    assert det["victims_ended_unjudged"] == ["uuid-1"] and det["victims_missed"] == ["uuid-2"]
+
+
 def test_mismatch_lines_name_the_consumer_request():
     text = ("ERROR 12-04 [scheduler.py:825] KV checksum mismatch for request 'cmpl-soak-3-0-ab12': group 0 "
             "differs at block positions 2 (1 of 5 compared); failing the load\n"
@@ -138,6 +145,13 @@ def test_both_servers_witness_and_only_the_consumer_stalls(tmp_path):
 @pytest.mark.parametrize("argv, requests", [([], 1000), (["--ci"], soak.CI_PRESET["requests"])])
 def test_ci_preset(argv, requests):
     assert soak.parse_args(argv).requests == requests
+
+
+def test_vllms_toy_proxy_drives_the_pull_layout_only(capsys):
+    assert soak.parse_args(["--proxy", "vllm"]).proxy == "vllm"
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--proxy", "vllm", "--mode", "push"])
+    assert "pull layout only" in capsys.readouterr().err
 
 
 def test_vllm_pd_tests_pass_only_with_tests_green_and_every_load_verified():
