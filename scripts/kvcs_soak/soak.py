@@ -1,28 +1,34 @@
-"""make soak: real P/D servers under load and a real race, judged against ground truth.
+"""make soak: real P/D servers under load and real races, judged against ground truth.
 
     .venv/bin/python -m kvcs_soak [--requests N] [--concurrency C] ...   (scripts/ on PYTHONPATH)
 
-Starts a real producer and consumer (vLLM OpenAI servers of the patched tree,
-NIXL pull over UCX on loopback, the tiny Llama, checksums on, consumer
-fail-closed with policy "fail") and the demo's P/D proxy, with small KV
-caches so both sides preempt and reuse blocks. Both servers wrap their
-connector in the drill connector (vllm_kvchecksum.fault_connector) with no
-faults, only its ground truth (witness_path: digests of the bytes each
-producer request sent and each load received) and, on the consumer, stalls:
-a stalled consumer engine posts its reads late and sends no lease
-heartbeats, so the producer's short KV lease (kv_lease_duration) runs out
-and its blocks go to new requests before the consumer reads them — the
-read-after-reuse race operators hit in production, made by vLLM's own
-mechanisms. Traffic: `--concurrency` requests in flight, random arrivals,
-prompts of 1 to many blocks in families sharing long prefixes, varied
-max_tokens, and clients that disconnect at a random point.
+Starts a real producer and consumer (vLLM OpenAI servers of the patched tree;
+NIXL pull over UCX on loopback by default, or NIXL push, or Mooncake; the
+tiny Llama or Gemma-2; checksums on, consumer fail-closed with policy
+"fail") and a P/D proxy (the demo's, or vLLM's own toy proxy with streaming
+clients), with small KV caches so both sides preempt and reuse blocks. Both
+servers wrap their connector in the drill connector
+(vllm_kvchecksum.fault_connector) with no faults, only its ground truth
+(witness_path: digests of the bytes each producer request sent and each load
+received) and, on the consumer, stalls switched on per phase.
 
-At the end: every ground-truth victim must be a mismatch, no clean load may
-be one, the consumer's and producer's counters must reconcile exactly, both
-engines must be alive and every request answered. Prints progress lines and
-a table, writes build/soak/report.json (docs/soak.md), exits non-zero when a
-check fails.
+Phases: two equal waves of load; the race (a stalled consumer engine posts
+its reads late and sends no lease heartbeats, so the producer's short KV
+lease runs out and its blocks go to new requests before the consumer reads
+them: the read-after-reuse race, made by vLLM's own mechanisms); and,
+unless --no-kill-producer, the producer's death (SIGKILL with requests in
+flight, then a restart). Traffic: `--concurrency` requests in flight,
+random arrivals, prompts of 1 to many blocks in families sharing long
+prefixes, varied max_tokens, clients that hang up at a random point or
+mid-transfer.
+
+At the end: every ground-truth victim must be a mismatch (or a load its
+connector failed), no clean load may be one, the consumer's and producer's
+counters must reconcile exactly, both engines must be alive and every
+request answered. Prints progress lines and a table, writes
+build/soak/report.json (docs/soak.md), exits non-zero when a check fails.
 """
+
 
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import json
 import os
 import platform
 import random
+import signal
 import sys
 import threading
 import time
@@ -58,6 +65,12 @@ CI_PRESET = {"requests": 300, "concurrency": 32, "min_clean": 200}
 # The run's phases and their shares of the requests: two equal waves of load
 # (memory after each must stay flat), then the race (consumer stalls on).
 PHASES = (("wave1", 0.4, False), ("wave2", 0.4, False), ("race", 0.2, True))
+# With --kill-producer: then the producer is SIGKILLed while requests are in
+# flight and restarted, the traffic going on.
+PHASES_WITH_DEATH = (("wave1", 0.35, False), ("wave2", 0.35, False), ("race", 0.15, True), ("death", 0.15, False))
+# The death phase: its first third runs while the producer is killed (once
+# half of that third was sent) and restarted; the rest after it is back.
+KILL_AFTER_SENT = 1 / 6
 
 
 # ----------------------------------------------------------------- traffic
@@ -122,6 +135,7 @@ class Answer:
     error: str | None
     disconnected: bool
     latency_s: float
+    started_s: float = 0.0  # time.monotonic() when it was sent
 
 
 def send(client: httpx.Client, urls: dict[str, str], req: Planned) -> Answer:
@@ -181,13 +195,16 @@ def read_stream(client: httpx.Client, url: str, body: dict, headers: dict, req: 
     return Answer(req.index, 200 if error is None else 599, error, False, time.monotonic() - t0)
 
 
-def run_traffic(urls: dict[str, str], planned: list[Planned], concurrency: int) -> list[Answer]:
+def run_traffic(urls: dict[str, str], planned: list[Planned], concurrency: int,
+                sent_enough: tuple[int, threading.Event] | None = None) -> list[Answer]:
     """Each of `concurrency` clients sends its share, one request at a time,
-    after its random arrival delay; a progress line every 10 s."""
+    after its random arrival delay; a progress line every 10 s. sent_enough
+    (n, event): the event is set once n requests were sent."""
     answers: list[Answer] = []
     lock = threading.Lock()
     queue = list(reversed(planned))
     done = threading.Event()
+    sent = [0]
 
     def client_loop():
         with httpx.Client() as client:
@@ -197,7 +214,13 @@ def run_traffic(urls: dict[str, str], planned: list[Planned], concurrency: int) 
                         return
                     req = queue.pop()
                 time.sleep(req.delay_s)
+                with lock:
+                    sent[0] += 1
+                    if sent_enough is not None and sent[0] >= sent_enough[0]:
+                        sent_enough[1].set()
+                started = time.monotonic()
                 answer = send(client, urls, req)
+                answer.started_s = started
                 with lock:
                     answers.append(answer)
 
@@ -338,7 +361,26 @@ def rss_mb(pgid: int) -> float:
 
 # ----------------------------------------------------------------- report
 
-def build_report(args, answers, planned, counts, truths, started, alive, rss, wall) -> dict:
+def kill_and_restart(group: ProcessGroup, servers: dict, spec: ServerSpec) -> tuple[float, float]:
+    """SIGKILL the producer's whole process group (engine core and workers
+    too, no shutdown), start it again on the same ports, wait until it is
+    healthy; (killed at, healthy at), time.monotonic()."""
+    victim = servers["producer"]
+    killed_at = time.monotonic()
+    os.killpg(victim.pgid, signal.SIGKILL)
+    victim.popen.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            servers["producer"] = group.start(spec)
+            break
+        except Exception:  # its port or side channel not released yet
+            time.sleep(1.0)
+    group.wait_healthy(servers["producer"], timeout=STARTUP_TIMEOUT_S)
+    return killed_at, time.monotonic()
+
+
+def build_report(args, answers, planned, counts, truths, started, alive, rss, wall, death=None) -> dict:
     consumer, producer = counts["consumer"], counts["producer"]
     hung_up = {a.index for a in answers if a.disconnected}
     # vLLM's toy proxy gives the servers ids of its own (uuid): a load names
@@ -357,6 +399,13 @@ def build_report(args, answers, planned, counts, truths, started, alive, rss, wa
     unexpected = [asdict(a) for a in answers if not a.disconnected and a.status != 200
                   and not (a.status == 503 and "kv_checksum_mismatch" in (a.error or ""))
                   and a.index not in connector_failed]
+    if death is not None:
+        # Requests in flight while the producer was down fail: expected.
+        killed_at, healthy_at = death
+        down = [a for a in unexpected if a["started_s"] <= healthy_at
+                and a["started_s"] + a["latency_s"] >= killed_at]
+        answered["failed_by_the_producers_death"] = len(down)
+        unexpected = [a for a in unexpected if a not in down]
     if by_count:
         # Behind the toy proxy a failed load cuts the stream (or answers a
         # bare error): at most one failed answer per mismatched or
@@ -400,6 +449,10 @@ def build_report(args, answers, planned, counts, truths, started, alive, rss, wa
         "not_compared": {k: v for k, v in consumer.items() if k.startswith("loads_not_compared")},
         "victims": [asdict(t) for t in truths if t.truth == "victim"][:50],
         "engines_alive": alive, "rss_mb": rss,
+        "producer_death": None if death is None else {
+            "down_s": death[1] - death[0],
+            "killed_process": truth.reconcile_producer(counts.get("producer_killed", {}),
+                                                       counts.get("producer_killed", {}).get("finished", 0))},
         "rss_growth_wave2_mb": {side: rss["wave2"][side] - rss["wave1"][side] for side in rss["wave1"]},
         "failures": failures, "ok": not failures,
     }
@@ -412,6 +465,10 @@ def print_table(report: dict) -> None:
         ("requests", f"{len(report['answer_list'])}: {a['ok']} ok, {a['mismatch_503']} failed by a KV checksum "
                      f"mismatch, {a['failed_by_the_connector']} by a load the connector failed, "
                      f"{a['disconnected']} clients hung up"),
+        *([("producer's death", f"down {report['producer_death']['down_s']:.0f} s; "
+                                f"{a.get('failed_by_the_producers_death', 0)} requests failed meanwhile; the killed "
+                                f"process: {report['producer_death']['killed_process']}")]
+          if report.get("producer_death") else []),
         ("preemptions", f"consumer {report['preemptions']['consumer']:.0f}, "
                         f"producer {report['preemptions']['producer']:.0f}"),
         ("loads (ground truth)", f"{d['loads']}: {d['clean']} clean, {d['victim']} victims, {d['unknown']} unknown, "
@@ -465,6 +522,9 @@ def parse_args(argv=None):
                    help="the demo's P/D proxy (default), or vLLM's own toy proxy "
                         "(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py; pull mode; half the "
                         "clients stream)")
+    p.add_argument("--kill-producer", action=argparse.BooleanOptionalAction, default=True,
+                   help="a last phase in which the producer is SIGKILLed with requests in flight and restarted "
+                        "(default on; off in --ci)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ci", action="store_true",
                    help=f"the CI-sized run: {CI_PRESET['requests']} requests, {CI_PRESET['concurrency']} in flight, "
@@ -477,6 +537,7 @@ def parse_args(argv=None):
     if args.ci:
         args.requests, args.concurrency, args.min_clean = (CI_PRESET[k] for k in ("requests", "concurrency",
                                                                                    "min_clean"))
+        args.kill_producer = False
     return args
 
 
@@ -511,27 +572,52 @@ def main(argv=None) -> int:
             f"(logs in {work})")
         before = {side: scrape_counts(setup.urls[side]) for side in servers}
         rss = {"start": {side: rss_mb(m.pgid) for side, m in servers.items()}}
-        answers, first = [], 0
-        for phase, share, race in PHASES:
-            part = planned[first:] if phase == PHASES[-1][0] else planned[first:first + int(share * len(planned))]
+        answers, first, death, producer_lost = [], 0, None, {}
+        phases = PHASES_WITH_DEATH if args.kill_producer else PHASES
+        for phase, share, race in phases:
+            part = planned[first:] if phase == phases[-1][0] else planned[first:first + int(share * len(planned))]
             first += len(part)
             set_stalls(work, args.stall_rate if race else 0.0)
             log(f"{phase}: {len(part)} requests" + (f", consumer stalls {args.stall_rate:.0%} x {args.stall_s:g} s"
-                                                    if race else ""))
-            answers += run_traffic({"proxy": proxy.url, **setup.urls, "streams": args.proxy == "vllm"}, part,
-                                   args.concurrency)
+                                                    if race else "") +
+                (f"; the producer is killed with a sixth of them sent, and restarted" if phase == "death" else ""))
+            traffic_urls = {"proxy": proxy.url, **setup.urls, "streams": args.proxy == "vllm"}
+            if phase == "death":
+                got: list = []
+                enough = threading.Event()
+                during, after_restart = part[:len(part) // 3], part[len(part) // 3:]
+                runner = threading.Thread(target=lambda: got.extend(run_traffic(
+                    traffic_urls, during, args.concurrency, (max(1, int(len(part) * KILL_AFTER_SENT)), enough))))
+                runner.start()
+                enough.wait(timeout=REQUEST_TIMEOUT_S)
+                # Its counters until now: the restarted process counts from zero.
+                producer_lost = diff(scrape_counts(setup.urls["producer"]), before["producer"])
+                death = kill_and_restart(group, servers, specs["producer"])
+                before["producer"] = scrape_counts(setup.urls["producer"])
+                log(f"producer killed and healthy again after {death[1] - death[0]:.0f} s")
+                (work / "process_groups.json").write_text(json.dumps(
+                    {m.name + ("" if m is servers["producer"] else f"-{m.pgid}"): m.pgid for m in group.managed}))
+                runner.join()
+                answers += got + run_traffic(traffic_urls, after_restart, args.concurrency)
+            else:
+                answers += run_traffic(traffic_urls, part, args.concurrency)
             settle({side: setup.urls[side] for side in servers})
             rss[phase] = {side: rss_mb(m.pgid) for side, m in servers.items()}
             log(f"{phase} done after {time.monotonic() - t0:.0f} s")
         after = settle({side: setup.urls[side] for side in servers})
         alive = {side: m.returncode is None for side, m in servers.items()}
     counts = {side: diff(after[side], before[side]) for side in after}
+    if producer_lost:
+        # The killed process's counts, up to its last scrape: what it counted
+        # after that went with it, so they are reported, not reconciled.
+        counts["producer_killed"] = producer_lost
     sends = truth.read_lines(work / "producer.witness.jsonl")
     consumer_lines = truth.read_lines(work / "consumer.witness.jsonl")
     started = sum(1 for r in consumer_lines if r.get("event") == "load_started" and r.get("skipped") is None)
     mismatched = truth.mismatched_requests(setup.logs["consumer"].read_text(errors="replace"))
     truths = truth.judge_loads(sends, consumer_lines, mismatched)
-    report = build_report(args, answers, planned, counts, truths, started, alive, rss, time.monotonic() - t0)
+    report = build_report(args, answers, planned, counts, truths, started, alive, rss, time.monotonic() - t0,
+                          death)
     (work / "report.json").write_text(json.dumps(report, indent=2))
     print_table(report)
     log(f"report: {work / 'report.json'}")

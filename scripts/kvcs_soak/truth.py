@@ -6,7 +6,8 @@ lines, the consumer's log, /metrics deltas), so each rule is unit-tested
 a victim when the bytes it received differ from what its producer sent at
 some block position both digested; clean when every position agrees;
 unknown when its producer's digests are missing (e.g. the producer was
-killed before it wrote them) or the two sides' TP sizes differ.
+killed before it wrote them) or do not cover every block it loaded, or the
+two sides' TP sizes differ.
 """
 
 from __future__ import annotations
@@ -87,9 +88,15 @@ def judge_loads(sends: Iterable[dict], loads: Iterable[dict], mismatched: set[st
         if producer is None or producer.get("tp_size") != load.get("tp_size"):
             out.append(LoadTruth(rid, "unknown", verdict=verdict))
             continue
-        positions = {}
-        for group, digests in (load.get("digests") or {}).items():
-            differ = differing_positions(producer.get("digests", {}).get(group, {}), digests)
+        positions, sent_digests = {}, producer.get("digests", {})
+        loaded = load.get("digests") or {}
+        if any(str(p) not in sent_digests.get(group, {}) for group, digests in loaded.items() for p in digests):
+            # A block the producer did not digest: the load is not judged on
+            # a part of what it received.
+            out.append(LoadTruth(rid, "unknown", verdict=verdict))
+            continue
+        for group, digests in loaded.items():
+            differ = differing_positions(sent_digests.get(group, {}), digests)
             if differ:
                 positions[group] = differ
         out.append(LoadTruth(rid, "victim" if positions else "clean", positions, verdict))

@@ -49,6 +49,19 @@ def test_a_load_the_connector_failed_after_its_digests_is_a_failed_load():
         ("c1", "load_failed"), ("c2", "clean")]
 
 
+def test_a_load_holding_a_block_its_producer_did_not_digest_is_unknown():
+    sends = [send("p", {"0": "a", "1": "b"})]
+    [t] = truth.judge_loads(sends, [load("c", "p", {"1": "b", "2": "c"})], set())
+    assert t.truth == "unknown"
+
+
+def test_only_clean_loads_reported_mismatched_are_false_alarms():
+    sends = [send("p", SENT)]
+    loads = [load("u", "p-gone", {"0": "a"}), load("f", "p", {}, side="load_failed"), load("c", "p", {"0": "a"})]
+    det = truth.detection(truth.judge_loads(sends, loads, {"u", "f", "c"}))
+    assert det["false_alarms"] == ["c"]
+
+
 def test_a_producer_sent_twice_is_judged_by_its_last_send():
     sends = [send("p1", {"0": "old"}), send("p1", {"0": "new"})]
     [t] = truth.judge_loads(sends, [load("c1", "p1", {"0": "new"})], set())
@@ -101,8 +114,9 @@ def test_counters_reconcile_only_when_every_load_and_send_is_counted():
 
 def test_a_torn_witness_line_is_skipped(tmp_path):
     path = tmp_path / "w.jsonl"
-    path.write_text(json.dumps(send("p", SENT)) + "\n" + '{"side": "lo')
-    assert truth.read_lines(path) == [send("p", SENT)]
+    path.write_text(json.dumps(send("p", SENT)) + "\n" + '{"side": "lo' + "\n" + json.dumps(send("q", SENT)))
+    # A killed process's torn line, then lines of the processes that went on.
+    assert truth.read_lines(path) == [send("p", SENT), send("q", SENT)]
     assert truth.read_lines(tmp_path / "missing.jsonl") == []
 
 
@@ -129,6 +143,8 @@ def test_both_servers_witness_and_only_the_consumer_stalls(tmp_path):
         extra = cfg["kv_connector_extra_config"]
         [child] = extra["connectors"]
         assert child["kv_connector_extra_config"] == {"kv_lease_duration": 2} and child["kv_role"] == role
+        if role == "kv_consumer":
+            assert extra["kv_checksum_faults"]["stall_s"] == 3.0
         drill = extra["kv_checksum_faults"]
         assert drill["rate"] == 0.0 and drill["witness_path"] == str(tmp_path / "w.jsonl")
         # Stalls only through the consumer's control file, set per phase.
@@ -162,4 +178,42 @@ def test_vllm_pd_tests_pass_only_with_tests_green_and_every_load_verified():
     assert v.judge(0, {}) == ["the consumer verified no load: the tests made no P/D transfer with checksums"]
     assert v.judge(0, {"loads_verified": 2, "loads_unverified/no_producer_checksums": 1}) == [
         "loads not verified: {'loads_unverified/no_producer_checksums': 1}"]
+    assert v.judge(0, {"loads_verified": 2, "loads_mismatched": 1}) == ["loads not verified: {'loads_mismatched': 1}"]
+    assert v.judge(0, {"loads_verified": 2, "loads_not_compared/load_failed": 1}) == [
+        "loads not verified: {'loads_not_compared/load_failed': 1}"]
     assert v.kv_config()["enable_kv_checksum"] and v.kv_config()["kv_role"] == "kv_both"
+
+
+def test_only_failures_while_the_producer_was_down_are_excused():
+    planned = soak.plan_traffic(4, seed=1)
+    answers = [soak.Answer(0, 200, None, False, 1.0, started_s=5.0),
+               soak.Answer(1, 502, "prefill leg unreachable", False, 1.0, started_s=12.0),   # while down
+               soak.Answer(2, 500, "Internal server error", False, 4.0, started_s=8.0),      # in flight at the kill
+               soak.Answer(3, 500, "Internal server error", False, 1.0, started_s=30.0)]     # after it came back
+    args = SimpleNamespace(min_clean=0, proxy="project")
+    counts = {"consumer": {"preemptions": 1}, "producer": {"finished": 0}}
+    rss = {"wave1": {"producer": 1.0}, "wave2": {"producer": 1.0}}
+    report = soak.build_report(args, answers, planned, counts, [], 0, {"producer": True}, rss, 1.0, death=(10.0, 20.0))
+    assert report["answers"]["failed_by_the_producers_death"] == 2
+    assert [a["index"] for a in report["unexpected"]] == [3]
+    no_death = soak.build_report(args, answers, planned, counts, [], 0, {"producer": True}, rss, 1.0)
+    assert [a["index"] for a in no_death["unexpected"]] == [1, 2, 3]
+
+
+def test_the_report_fails_without_preemption_and_with_an_unexplained_error_or_too_few_clean_loads():
+    planned = soak.plan_traffic(2, seed=1)
+    rss = {"wave1": {"consumer": 1.0}, "wave2": {"consumer": 1.0}}
+
+    def report(consumer_preempted, producer_preempted, answers, min_clean=0):
+        counts = {"consumer": {"preemptions": consumer_preempted}, "producer": {"preemptions": producer_preempted}}
+        return soak.build_report(SimpleNamespace(min_clean=min_clean, proxy="project"), answers, planned, counts,
+                                 [truth.LoadTruth("cmpl-soak-0-x", "clean")], 0, {"consumer": True}, rss, 1.0)
+
+    ok = [soak.Answer(0, 200, None, False, 1.0), soak.Answer(1, 200, None, False, 1.0)]
+    assert report(0, 2, ok)["ok"] and report(3, 0, ok)["ok"]
+    assert any("no preemption" in f for f in report(0, 0, ok)["failures"])
+    failed = [ok[0], soak.Answer(1, 500, "Internal server error", False, 1.0)]
+    assert any("another reason" in f for f in report(1, 0, failed)["failures"])
+    mismatch = [ok[0], soak.Answer(1, 503, "kv_checksum_mismatch: ...", False, 1.0)]
+    assert report(1, 0, mismatch)["ok"]
+    assert any("clean loads" in f for f in report(1, 0, ok, min_clean=2)["failures"])

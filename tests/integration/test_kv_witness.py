@@ -139,6 +139,7 @@ def test_a_stall_holds_the_step_before_its_transfers_are_posted(worker, monkeypa
 
 
 @pytest.mark.parametrize("section, key", [({"stall_s": 61}, "stall_s"), ({"stall_s": -1}, "stall_s"),
+                                          ({"stall_s": True}, "stall_s"),
                                           ({"stall_rate": 2}, "stall_rate"), ({"witness_path": ""}, "witness_path")])
 def test_bad_witness_and_stall_settings_name_the_key(section, key):
     with pytest.raises(ValueError, match=f"kv_checksum_faults.{key}"):
@@ -173,6 +174,8 @@ def test_only_the_step_that_finishes_the_prompt_is_witnessed(sides, tmp_path):
     assert req.is_finished() and len(plans) == 3
     assert [list(p) for p in plans] == [[req.request_id], [], []]
     assert plans[0][req.request_id].num_tokens == PROMPT
+    P.scheduler.schedule()
+    assert P.scheduler.connector._producer_reqs == {}  # forgotten once finished
 
 
 def test_stalls_follow_the_control_file(sides, tmp_path):
@@ -219,3 +222,114 @@ def test_a_load_whose_blocks_the_connector_names_failed_is_a_failed_load(worker,
     # Only this step's loads: a later step's errors name no earlier load.
     assert conn.get_block_ids_with_load_errors() == {SENT[2]}
     assert len(read_records(tmp_path / "witness.jsonl")) == 3
+
+
+def test_a_load_planned_in_an_earlier_step_is_digested_when_it_finishes(worker, tmp_path):
+    """Loads span steps: the plan bound with the step that started the load
+    is kept through later steps' metadata until the load finishes."""
+    conn, _ = worker({"witness_path": str(tmp_path / "witness.jsonl")})
+    witness(conn, loads={"slow": fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT)}, remote_request_id="p")})
+    finish(conn)
+    witness(conn, loads={"other": fc.WitnessPlan(NUM_TOKENS, {0: (0, COPY)}, remote_request_id="q")})
+    finish(conn)
+    witness(conn)
+    finish(conn, finished={"slow"})
+    assert [(r["side"], r["request_id"]) for r in read_records(tmp_path / "witness.jsonl")] == [("load", "slow")]
+
+
+def test_two_loads_in_one_step_draw_a_stall_each_and_stall_once(sides, monkeypatch):
+    """Each load that starts draws (seeded), also without witness_path; a
+    step whose loads drew several stalls stalls once, for stall_s."""
+    import random
+
+    # Seed 0: the six steps draw 1, 1, 2, 0, 1, 1 stalls.
+    C = sides("kv_consumer", faults_cfg={"kinds": [], "rate": 0.0, "stall_rate": 0.5, "stall_s": 1.0, "seed": 0})
+    P = make_side("kv_producer")
+    monkeypatch.setattr(fc.time, "sleep", lambda s: None)
+    rng, got, expected, draws = random.Random(0 ^ 0x5EED), [], [], []
+    from pd_harness import make_request
+
+    for step in range(6):
+        reqs = []
+        for k in range(2):
+            preq, params = prefill(P, prompt_of(PROMPT, seed=10 * step + k))
+            req = make_request(preq.prompt_token_ids, params=dict(params), block_size=C.block_size)
+            C.scheduler.add_request(req)
+            reqs.append(req)
+        out = C.scheduler.schedule()
+        assert all(r.status.name == "WAITING_FOR_REMOTE_KVS" for r in reqs)
+        C.run_workers(out)
+        got.append(out.kv_connector_metadata.stall_s)
+        draws.append([rng.random() < 0.5 for _ in reqs].count(True))
+        expected.append(1.0 if draws[-1] else 0.0)
+    assert 2 in draws and 0 in draws  # a step with two stalls drawn, one with none
+    assert got == expected
+
+
+def test_a_load_the_witness_cannot_plan_is_recorded_started_and_skipped(sides, tmp_path):
+    """A synchronous load is no async load: its load_started line says why it
+    is skipped (the soak counts only the others as started)."""
+    from test_fault_connector import STUB as stub
+
+    path = tmp_path / "w.jsonl"
+    C = sides("kv_consumer", faults_cfg={"kinds": [], "rate": 0.0, "witness_path": str(path)},
+              connectors=[{**stub, "kv_connector_extra_config": {"sync_load_tokens": 32}}])
+    from pd_harness import make_request
+
+    req = make_request(prompt_of(PROMPT), block_size=C.block_size)
+    C.scheduler.add_request(req)
+    out = C.scheduler.schedule()
+    assert out.kv_connector_metadata.witness_loads == {}
+    [line] = read_records(path)
+    assert line["event"] == "load_started" and line["skipped"].startswith("not an asynchronous load")
+
+
+def test_control_file_changes_and_removal_restore_the_configs_stall_rate(tmp_path):
+    control = fc.ControlFile(str(tmp_path / "c.json"), (), 0.0, stall_rate=0.25)
+    assert control.stall_rate() == 0.25
+    (tmp_path / "c.json").write_text(json.dumps({"stall_rate": 1.0}))
+    assert control.stall_rate() == 1.0
+    (tmp_path / "c.json").write_text(json.dumps({"rate": 0.0}))
+    assert control.stall_rate() == 0.25
+    (tmp_path / "c.json").write_text("{not json")
+    assert control.stall_rate() == 0.0  # invalid: no stalls, whatever the config says
+    (tmp_path / "c.json").unlink()
+    assert control.stall_rate() == 0.25
+
+
+def test_a_send_is_witnessed_over_its_whole_prompt_after_a_hit_and_after_a_resume(sides, tmp_path):
+    """The producer's digests cover the prompt's blocks from position 0 even
+    when its prompt step starts after a prefix-cache hit, and only the
+    prompt's tokens when a resumed request recomputes its outputs with it."""
+    from pd_harness import forward_of, make_request
+
+    P = sides("kv_producer", faults_cfg={"kinds": [], "rate": 0.0, "witness_path": str(tmp_path / "w.jsonl")})
+    prompt = prompt_of(PROMPT)
+
+    def run(req, preempt_after=None):
+        P.scheduler.add_request(req)
+        forward, plans, scheduled = forward_of(P, req), [], []
+        for step in range(8):
+            out, _ = P.step(forward=forward)
+            plans.append(out.kv_connector_metadata.witness_sends.get(req.request_id))
+            scheduled.append((out.num_scheduled_tokens.get(req.request_id, 0), req.num_computed_tokens))
+            if step == preempt_after:
+                P.scheduler.running.remove(req)
+                P.scheduler._preempt_request(req, 0.0)
+            if req.is_finished():
+                return [p for p in plans if p is not None], scheduled
+        raise AssertionError("the request did not finish")
+
+    [first], _ = run(make_request(prompt, remote_decode=True, block_size=P.block_size))
+    assert first.num_tokens == PROMPT and first.groups[0][0] == 0
+    [second], scheduled = run(make_request(prompt, remote_decode=True, block_size=P.block_size))
+    assert scheduled[0][0] < PROMPT  # its prompt step started after a prefix-cache hit
+    assert second.num_tokens == PROMPT and second.groups[0][0] == 0
+    assert len(second.groups[0][1]) == len(first.groups[0][1])
+    resumed = make_request(prompt_of(PROMPT, seed=9), remote_decode=True, block_size=P.block_size)
+    resumed.max_tokens = resumed.sampling_params.max_tokens = 4
+    plans, scheduled = run(resumed, preempt_after=1)
+    assert resumed.num_preemptions == 1 and len(plans) == 2
+    # The resumed prompt step computed past the prompt; the digests do not.
+    assert scheduled[2][0] and scheduled[2][1] > PROMPT
+    assert [p.num_tokens for p in plans] == [PROMPT, PROMPT] and plans[1].groups[0][0] == 0
