@@ -24,7 +24,7 @@ demo: setup ## real P/D servers catching injected KV faults: table + build/demo/
 	PYTHONPATH=scripts $(PY) -m kvcs_demo --device $(VLLM_DEVICE) $(if $(MODEL),--model $(MODEL)) $(DEMO_ARGS)
 
 soak: setup ## real P/D servers under load and the lease race, judged by ground truth: build/soak/report.json (SOAK_ARGS=--help)
-	PYTHONPATH=scripts $(PY) -m kvcs_soak $(SOAK_ARGS)
+	PYTHONPATH=scripts $(PY) -m kvcs_soak --device $(VLLM_DEVICE) $(if $(MODEL),--model-path $(MODEL)) $(SOAK_ARGS)
 
 test: setup ## every test: package, workbench, integration, e2e demo, upstream gate
 	ci/test.sh

@@ -254,7 +254,9 @@ def kv_config(role: str, witness: Path, args, control: Path | None = None, setup
         # Its lease is VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (server_specs).
         child["kv_connector_extra_config"] = {"mooncake_protocol": MOONCAKE_PROTOCOL}
     else:
-        child.update(kv_buffer_device="cpu", kv_connector_extra_config={"kv_lease_duration": args.lease_s})
+        child["kv_connector_extra_config"] = {"kv_lease_duration": args.lease_s}
+        if getattr(args, "device", "cpu") == "cpu":
+            child["kv_buffer_device"] = "cpu"
     drill = {"kinds": [], "rate": 0.0, "seed": args.seed, "witness_path": str(witness)}
     if role == "kv_consumer":
         drill.update(stall_rate=0.0, stall_s=args.stall_s)
@@ -280,10 +282,13 @@ def server_specs(setup: Setup, args, work: Path) -> dict[str, ServerSpec]:
         witness = work / f"{side}.witness.jsonl"
         witness.write_text("")
         kv = kv_config(role, witness, args, control_path(work), setup)
-        argv = server_argv(args.python, setup, role, port, "cpu", kv)
+        argv = server_argv(args.python, setup, role, port, args.device, kv)
         # Small KV caches: both sides preempt and reuse blocks all the time.
         argv += ["--num-gpu-blocks-override", str(args.blocks)]
-        env = server_env("cpu", side_port, mode=setup.mode, bootstrap_port=bootstrap) | {"PYTHONUNBUFFERED": "1"}
+        # On a GPU host: one GPU each, the producer's first.
+        gpus = ([0] if role == "kv_producer" else [1]) if args.device == "cuda" else None
+        env = server_env(args.device, side_port, gpus, mode=setup.mode, bootstrap_port=bootstrap) | {
+            "PYTHONUNBUFFERED": "1"}
         if setup.mode == "mooncake":
             env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(args.lease_s)
         setup.logs[side] = work / f"{side}.log"
@@ -525,6 +530,11 @@ def parse_args(argv=None):
     p.add_argument("--kill-producer", action=argparse.BooleanOptionalAction, default=True,
                    help="a last phase in which the producer is SIGKILLed with requests in flight and restarted "
                         "(default on; off in --ci)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default: the tiny models here) or cuda: the GPU-host flow, one GPU per server "
+                        "(make soak VLLM_DEVICE=cuda MODEL=...)")
+    p.add_argument("--model-path", type=Path, default=None,
+                   help="serve this model directory instead of a tiny one (the GPU flow's MODEL)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ci", action="store_true",
                    help=f"the CI-sized run: {CI_PRESET['requests']} requests, {CI_PRESET['concurrency']} in flight, "
@@ -549,7 +559,8 @@ def main(argv=None) -> int:
     for old in [*work.glob("*.log"), *work.glob("*.jsonl"), work / "report.json", work / "process_groups.json"]:
         if old.is_file():
             old.unlink()
-    setup = Setup("soak", make_models(ROOT / "build")[args.model], policy="fail", faults=False, mode=args.mode)
+    model = args.model_path or make_models(ROOT / "build")[args.model]
+    setup = Setup("soak", model, policy="fail", faults=False, mode=args.mode)
     specs = server_specs(setup, args, work)
     # Mid-transfer aborts need the pull legs (the client runs them itself);
     # in push and Mooncake mode the proxy's legs run at once.

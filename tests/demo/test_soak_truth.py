@@ -217,3 +217,28 @@ def test_the_report_fails_without_preemption_and_with_an_unexplained_error_or_to
     mismatch = [ok[0], soak.Answer(1, 503, "kv_checksum_mismatch: ...", False, 1.0)]
     assert report(1, 0, mismatch)["ok"]
     assert any("clean loads" in f for f in report(1, 0, ok, min_clean=2)["failures"])
+
+
+def test_the_gpu_flow_command_lines(tmp_path):
+    """make soak VLLM_DEVICE=cuda MODEL=...: each server on a GPU of its own,
+    vLLM's GPU flags, no CPU transfer buffer, the same small KV cache and
+    drill connector; the CPU flow keeps its CPU settings."""
+    from kvcs_demo.setups import Setup
+
+    for device in ("cuda", "cpu"):
+        args = soak.parse_args(["--device", device, "--model-path", str(tmp_path / "model"), "--out", str(tmp_path)])
+        setup = Setup("soak", args.model_path, policy="fail", faults=False, mode=args.mode)
+        specs = soak.server_specs(setup, args, tmp_path)
+        for side, gpu in (("producer", "0"), ("consumer", "1")):
+            argv, env = specs[side].argv, specs[side].env
+            assert argv[argv.index("--model") + 1] == str(tmp_path / "model")
+            assert argv[argv.index("--num-gpu-blocks-override") + 1] == "24"
+            kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+            [child] = kv["kv_connector_extra_config"]["connectors"]
+            if device == "cuda":
+                assert env["CUDA_VISIBLE_DEVICES"] == gpu and "--gpu-memory-utilization" in argv
+                assert "kv_buffer_device" not in child and "--kv-cache-memory-bytes" not in argv
+            else:
+                assert "CUDA_VISIBLE_DEVICES" not in env and child["kv_buffer_device"] == "cpu"
+                assert "--enforce-eager" in argv
+            assert kv["kv_connector"] == "KVChecksumFaultConnector" and kv["kv_checksum_fail_closed"]
