@@ -244,10 +244,12 @@ def run_traffic(urls: dict[str, str], planned: list[Planned], concurrency: int,
 
 # ----------------------------------------------------------------- servers
 
-def kv_config(role: str, witness: Path, args, control: Path | None = None, setup: Setup | None = None) -> dict:
+def kv_config(role: str, witness: Path | None, args, control: Path | None = None, setup: Setup | None = None,
+              checksums: bool = True) -> dict:
     """Both servers: the mode's connector inside the drill connector (no
     faults; ground truth; on the consumer, stalls switched by `control`, the
-    drill's control file), a short KV lease, checksums on."""
+    drill's control file), a short KV lease, checksums on. checksums False:
+    the same stack with checksums off and no ground truth (the cost baseline)."""
     mode = getattr(args, "mode", "pull")
     child = {"kv_connector": CONNECTORS[mode], "kv_role": role}
     if mode == "mooncake":
@@ -257,21 +259,24 @@ def kv_config(role: str, witness: Path, args, control: Path | None = None, setup
         child["kv_connector_extra_config"] = {"kv_lease_duration": args.lease_s}
         if getattr(args, "device", "cpu") == "cpu":
             child["kv_buffer_device"] = "cpu"
-    drill = {"kinds": [], "rate": 0.0, "seed": args.seed, "witness_path": str(witness)}
+    drill = {"kinds": [], "rate": 0.0, "seed": args.seed}
+    if witness is not None:
+        drill["witness_path"] = str(witness)
     if role == "kv_consumer":
         drill.update(stall_rate=0.0, stall_s=args.stall_s)
         if control is not None:
             drill["control_path"] = str(control)
     config = {"kv_connector": "KVChecksumFaultConnector", "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
-              "kv_role": role, "enable_kv_checksum": True, "kv_checksum_fail_closed": True,
-              "kv_load_failure_policy": "fail",
+              "kv_role": role, "kv_load_failure_policy": "fail",
               "kv_connector_extra_config": {"connectors": [child], "kv_checksum_faults": drill}}
+    if checksums:
+        config.update(enable_kv_checksum=True, kv_checksum_fail_closed=True)
     if mode == "push" and role == "kv_producer" and setup is not None:
         config["engine_id"] = producer_engine_id(setup)  # the consumers register with it by this id
     return config
 
 
-def server_specs(setup: Setup, args, work: Path) -> dict[str, ServerSpec]:
+def server_specs(setup: Setup, args, work: Path, checksums: bool = True) -> dict[str, ServerSpec]:
     specs = {}
     for role, side in (("kv_producer", "producer"), ("kv_consumer", "consumer")):
         port, side_port = free_port_block(1), free_port_block(8)
@@ -279,9 +284,10 @@ def server_specs(setup: Setup, args, work: Path) -> dict[str, ServerSpec]:
         if bootstrap is not None:
             setup.bootstrap_port = bootstrap
         setup.side_ports[side] = side_port
-        witness = work / f"{side}.witness.jsonl"
-        witness.write_text("")
-        kv = kv_config(role, witness, args, control_path(work), setup)
+        witness = work / f"{side}.witness.jsonl" if checksums else None
+        if witness is not None:
+            witness.write_text("")
+        kv = kv_config(role, witness, args, control_path(work), setup, checksums)
         argv = server_argv(args.python, setup, role, port, args.device, kv)
         # Small KV caches: both sides preempt and reuse blocks all the time.
         argv += ["--num-gpu-blocks-override", str(args.blocks)]
@@ -291,9 +297,9 @@ def server_specs(setup: Setup, args, work: Path) -> dict[str, ServerSpec]:
             "PYTHONUNBUFFERED": "1"}
         if setup.mode == "mooncake":
             env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(args.lease_s)
-        setup.logs[side] = work / f"{side}.log"
+        setup.logs[side] = work / f"{side}{'' if checksums else '-off'}.log"
         setup.urls[side] = f"http://127.0.0.1:{port}"
-        specs[side] = ServerSpec(f"soak-{side}", argv, env, port, setup.logs[side])
+        specs[side] = ServerSpec(f"soak-{side}" + ("" if checksums else "-off"), argv, env, port, setup.logs[side])
     return specs
 
 
@@ -365,6 +371,62 @@ def rss_mb(pgid: int) -> float:
 
 
 # ----------------------------------------------------------------- report
+
+def latency_summary(answers: list[Answer], wall_s: float) -> dict:
+    ok = sorted(a.latency_s for a in answers if a.status == 200)
+    if not ok:
+        return {"ok": 0}
+    return {"ok": len(ok), "p50_ms": 1000 * ok[len(ok) // 2], "p99_ms": 1000 * ok[min(len(ok) - 1, int(len(ok) * 0.99))],
+            "throughput_rps": len(ok) / wall_s}
+
+
+COST_ROUNDS = 4
+
+
+def measure_cost(args, group: ProcessGroup, setup: Setup, servers: dict, proxy, work: Path) -> dict:
+    """Latency and throughput under the same load with checksums on and off.
+
+    A second pair runs the same stack with checksums off. After the same
+    warm-up requests on each, the --cost requests (no hang-ups, no stalls)
+    go in COST_ROUNDS rounds, each round's share first to one pair, then to
+    the other, alternating which goes first. One pair is loaded at a time,
+    and the two see the same history, so drift cancels out. The ratios are
+    on / off.
+    """
+    plan = plan_traffic(args.cost, args.seed + 1, disconnect_rate=0.0, abort_rate=0.0)
+    warm = plan_traffic(min(40, args.cost), args.seed + 2, disconnect_rate=0.0, abort_rate=0.0)
+    set_stalls(work, 0.0)
+    off = Setup("soak-off", setup.model, policy="fail", faults=False, mode=setup.mode)
+    specs = server_specs(off, args, work, checksums=False)
+    started = [group.start(spec) for spec in specs.values()]
+    port = free_port_block(1)
+    off_proxy = group.start(ServerSpec("soak-proxy-off", proxy_argv(off, args.python, port, args.proxy),
+                                       {"PYTHONPATH": str(ROOT / "scripts"), "PYTHONUNBUFFERED": "1"}, port,
+                                       work / "proxy-off.log",
+                                       health_path="/healthcheck" if args.proxy == "vllm" else "/health"))
+    (work / "process_groups.json").write_text(json.dumps({f"{m.name}-{m.pgid}": m.pgid for m in group.managed}))
+    group.wait_healthy([*started, off_proxy], timeout=STARTUP_TIMEOUT_S)
+    urls = {"on": {"proxy": proxy.url, **setup.urls, "streams": False},
+            "off": {"proxy": off_proxy.url, **off.urls, "streams": False}}
+    for side in ("on", "off"):
+        run_traffic(urls[side], warm, args.concurrency)
+    got = {"on": [], "off": []}
+    wall = {"on": 0.0, "off": 0.0}
+    size = -(-len(plan) // COST_ROUNDS)
+    for r in range(COST_ROUNDS):
+        part = plan[r * size:(r + 1) * size]
+        for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            t = time.monotonic()
+            got[side] += run_traffic(urls[side], part, args.concurrency)
+            wall[side] += time.monotonic() - t
+    out = {side: latency_summary(got[side], wall[side]) for side in ("on", "off")}
+    if out["on"].get("ok") and out["off"].get("ok"):
+        out["ratios"] = {k: out["on"][k] / out["off"][k] for k in ("p50_ms", "p99_ms", "throughput_rps")}
+    log(f"cost under load ({args.cost} requests each, {args.concurrency} in flight): {out}")
+    for m in [*started, off_proxy]:
+        group.stop(m)
+    return out
+
 
 def kill_and_restart(group: ProcessGroup, servers: dict, spec: ServerSpec) -> tuple[float, float]:
     """SIGKILL the producer's whole process group (engine core and workers
@@ -491,6 +553,10 @@ def print_table(report: dict) -> None:
         ("RSS", ", ".join(f"{side} {report['rss_mb']['wave1'][side]:.0f} MiB after wave 1, "
                           f"{growth:+.0f} MiB in wave 2" for side, growth in report["rss_growth_wave2_mb"].items())),
     ]
+    ratios = (report.get("cost") or {}).get("ratios")
+    if ratios:
+        rows.append(("cost, on / off", f"latency p50 {ratios['p50_ms']:.2f}, p99 {ratios['p99_ms']:.2f}, throughput "
+                                        f"{ratios['throughput_rps']:.2f} ({report['settings']['cost']} requests each)"))
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         log(f"  {name:<{width}}  {value}")
@@ -535,6 +601,9 @@ def parse_args(argv=None):
                         "(make soak VLLM_DEVICE=cuda MODEL=...)")
     p.add_argument("--model-path", type=Path, default=None,
                    help="serve this model directory instead of a tiny one (the GPU flow's MODEL)")
+    p.add_argument("--cost", type=int, default=0,
+                   help="then this many requests against the pair and against the same stack with checksums off, "
+                        "one pair at a time: latency p50/p99 and throughput, on / off (default 0: not measured)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ci", action="store_true",
                    help=f"the CI-sized run: {CI_PRESET['requests']} requests, {CI_PRESET['concurrency']} in flight, "
@@ -617,18 +686,21 @@ def main(argv=None) -> int:
             log(f"{phase} done after {time.monotonic() - t0:.0f} s")
         after = settle({side: setup.urls[side] for side in servers})
         alive = {side: m.returncode is None for side, m in servers.items()}
+        # The ground truth of the run, before the cost phase adds loads of its own.
+        sends = truth.read_lines(work / "producer.witness.jsonl")
+        consumer_lines = truth.read_lines(work / "consumer.witness.jsonl")
+        cost = measure_cost(args, group, setup, servers, proxy, work) if args.cost else None
     counts = {side: diff(after[side], before[side]) for side in after}
     if producer_lost:
         # The killed process's counts, up to its last scrape: what it counted
         # after that went with it, so they are reported, not reconciled.
         counts["producer_killed"] = producer_lost
-    sends = truth.read_lines(work / "producer.witness.jsonl")
-    consumer_lines = truth.read_lines(work / "consumer.witness.jsonl")
     started = sum(1 for r in consumer_lines if r.get("event") == "load_started" and r.get("skipped") is None)
     mismatched = truth.mismatched_requests(setup.logs["consumer"].read_text(errors="replace"))
     truths = truth.judge_loads(sends, consumer_lines, mismatched)
     report = build_report(args, answers, planned, counts, truths, started, alive, rss, time.monotonic() - t0,
                           death)
+    report["cost"] = cost
     (work / "report.json").write_text(json.dumps(report, indent=2))
     print_table(report)
     log(f"report: {work / 'report.json'}")

@@ -242,3 +242,17 @@ def test_the_gpu_flow_command_lines(tmp_path):
                 assert "CUDA_VISIBLE_DEVICES" not in env and child["kv_buffer_device"] == "cpu"
                 assert "--enforce-eager" in argv
             assert kv["kv_connector"] == "KVChecksumFaultConnector" and kv["kv_checksum_fail_closed"]
+
+
+def test_the_cost_baseline_is_the_same_stack_with_checksums_off(tmp_path):
+    args = soak.parse_args(["--cost", "50", "--out", str(tmp_path)])
+    on = soak.kv_config("kv_consumer", tmp_path / "w.jsonl", args, soak.control_path(tmp_path))
+    off = soak.kv_config("kv_consumer", None, args, soak.control_path(tmp_path), checksums=False)
+    assert on["enable_kv_checksum"] and "enable_kv_checksum" not in off and "kv_checksum_fail_closed" not in off
+    assert "witness_path" not in off["kv_connector_extra_config"]["kv_checksum_faults"]
+    assert off["kv_connector"] == on["kv_connector"]
+    assert off["kv_connector_extra_config"]["connectors"] == on["kv_connector_extra_config"]["connectors"]
+    answers = [soak.Answer(i, 200, None, False, latency) for i, latency in enumerate([0.1, 0.3, 0.2, 0.4])]
+    answers.append(soak.Answer(9, 500, "x", False, 9.0))
+    summary = soak.latency_summary(answers, 2.0)
+    assert summary == {"ok": 4, "p50_ms": 300.0, "p99_ms": 400.0, "throughput_rps": 2.0}
