@@ -654,9 +654,9 @@ class KVChecksumFaultConnector(MultiConnector):
         (one "load_started" line each), and the stall the step gets."""
         started, self._started = self._started, {}
         plans, stall_s = {}, 0.0
+        stall_rate = self._control.stall_rate() if started else 0.0
         for req_id, (request, num_external_tokens) in started.items():
             try:
-                stall_rate = self._control.stall_rate()
                 if stall_rate > 0 and self._stall_rng.random() < stall_rate:
                     stall_s = self.settings.stall_s
                 if self.settings.witness_path is None:
@@ -702,12 +702,8 @@ class KVChecksumFaultConnector(MultiConnector):
             if not scheduled or not computed < prompt <= computed + scheduled:
                 continue
             try:
-                if self._layouts is None:
-                    from vllm_kvchecksum.scheduler import transfer_layouts
-
-                    self._layouts = transfer_layouts(self._vllm_config, self._kv_cache_config)
-                groups = request_blocks(self._kv_cache_manager.get_block_ids(req_id), self._layouts, 0, prompt,
-                                        self._kv_cache_manager.block_pool.null_block.block_id)
+                groups = request_blocks(self._kv_cache_manager.get_block_ids(req_id), self._transfer_layouts(), 0,
+                                        prompt, self._null_block_id())
                 plans[req_id] = WitnessPlan(prompt, {g: (b.start, tuple(b.block_ids)) for g, b in groups.items()})
             except Exception:
                 logger.exception("KV checksum drill: the ground truth of producer request %s failed.", req_id)
@@ -738,21 +734,27 @@ class KVChecksumFaultConnector(MultiConnector):
             return None, reason
         if self._kv_cache_manager is None:
             return None, "the connector has no KV cache manager (bind_kv_cache_manager was not called)"
+        num_tokens = request.num_computed_tokens
+        num_local = num_tokens - num_external_tokens
+        groups = request_blocks(self._kv_cache_manager.get_block_ids(request.request_id), self._transfer_layouts(),
+                                num_local, num_tokens, self._null_block_id())
+        if not groups:
+            return None, "the load has no checksummed blocks"
+        return (num_tokens, {g: (b.start, tuple(b.block_ids)) for g, b in groups.items()}), None
+
+    def _transfer_layouts(self) -> list[GroupLayout]:
+        """The checksum scheduler's transfer groups (built once, on first use)."""
         if self._layouts is None:
             from vllm_kvchecksum.scheduler import transfer_layouts
 
             self._layouts = transfer_layouts(self._vllm_config, self._kv_cache_config)
-        num_tokens = request.num_computed_tokens
-        num_local = num_tokens - num_external_tokens
+        return self._layouts
+
+    def _null_block_id(self) -> int:
         # The same null block id the Scheduler gives the checksum scheduler:
         # BlockPool takes block 0 off its free queue as its null block when
         # it is built, so it is 0 in practice; read it, do not assume it.
-        null_block_id = self._kv_cache_manager.block_pool.null_block.block_id
-        groups = request_blocks(self._kv_cache_manager.get_block_ids(request.request_id), self._layouts,
-                                num_local, num_tokens, null_block_id)
-        if not groups:
-            return None, "the load has no checksummed blocks"
-        return (num_tokens, {g: (b.start, tuple(b.block_ids)) for g, b in groups.items()}), None
+        return self._kv_cache_manager.block_pool.null_block.block_id
 
     def _plan(self, pending: _PendingPlan) -> tuple[FaultPlan | None, str | None]:
         """The load's blocks per group, by the checksum scheduler's own rule (_load_groups)."""

@@ -125,6 +125,11 @@ def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
     return {k: int(v - before.get(k, 0)) for k, v in after.items() if v - before.get(k, 0)}
 
 
+def counter_total(counts: dict, name: str) -> int:
+    """A counter's value summed over its labels ("name" and "name/label" keys)."""
+    return sum(v for k, v in counts.items() if k.split("/")[0] == name)
+
+
 def loads_in(delta: dict[str, int]) -> int:
     return sum(v for k, v in delta.items() if k.split("/")[0] in LOAD_COUNTERS)
 
@@ -340,7 +345,7 @@ def _run_phases(setup: Setup, proxy: str, kinds: list[str], n: int, phases: list
 
 def summary(metrics: dict[str, int]) -> str:
     def total(name):
-        return sum(v for k, v in metrics.items() if k.split("/")[0] == name)
+        return counter_total(metrics, name)
     return (f"verified {total('loads_verified')}, mismatched {total('loads_mismatched')}, "
             f"unverified {total('loads_unverified')}")
 
@@ -548,7 +553,7 @@ def print_table(report: dict) -> None:
             m = ph["metrics"]
 
             def total(name):
-                return sum(v for k, v in m.items() if k.split("/")[0] == name)
+                return counter_total(m, name)
             inj = ph["injections"]
             detectable = [i for i in inj if i["expected"] == "mismatch"]
             detected = sum(i["ok"] for i in detectable)

@@ -320,6 +320,13 @@ def proxy_argv(setup: Setup, python: str, port: int, which: str = "project") -> 
     return argv
 
 
+def proxy_spec(setup: Setup, args, port: int, name: str, log_path: Path) -> ServerSpec:
+    """The pair's proxy process (--proxy), healthy when its health path answers."""
+    return ServerSpec(name, proxy_argv(setup, args.python, port, args.proxy),
+                      {"PYTHONPATH": str(ROOT / "scripts"), "PYTHONUNBUFFERED": "1"}, port, log_path,
+                      health_path="/healthcheck" if args.proxy == "vllm" else "/health")
+
+
 def control_path(work: Path) -> Path:
     return work / "consumer.control.json"
 
@@ -400,10 +407,7 @@ def measure_cost(args, group: ProcessGroup, setup: Setup, servers: dict, proxy, 
     specs = server_specs(off, args, work, checksums=False)
     started = [group.start(spec) for spec in specs.values()]
     port = free_port_block(1)
-    off_proxy = group.start(ServerSpec("soak-proxy-off", proxy_argv(off, args.python, port, args.proxy),
-                                       {"PYTHONPATH": str(ROOT / "scripts"), "PYTHONUNBUFFERED": "1"}, port,
-                                       work / "proxy-off.log",
-                                       health_path="/healthcheck" if args.proxy == "vllm" else "/health"))
+    off_proxy = group.start(proxy_spec(off, args, port, "soak-proxy-off", work / "proxy-off.log"))
     (work / "process_groups.json").write_text(json.dumps({f"{m.name}-{m.pgid}": m.pgid for m in group.managed}))
     group.wait_healthy([*started, off_proxy], timeout=STARTUP_TIMEOUT_S)
     urls = {"on": {"proxy": proxy.url, **setup.urls, "streams": False},
@@ -638,10 +642,7 @@ def main(argv=None) -> int:
     with ProcessGroup() as group:
         servers = {side: group.start(spec) for side, spec in specs.items()}
         proxy_port = free_port_block(1)
-        proxy = group.start(ServerSpec(
-            "soak-proxy", proxy_argv(setup, args.python, proxy_port, args.proxy),
-            {"PYTHONPATH": str(ROOT / "scripts"), "PYTHONUNBUFFERED": "1"}, proxy_port, work / "proxy.log",
-            health_path="/healthcheck" if args.proxy == "vllm" else "/health"))
+        proxy = group.start(proxy_spec(setup, args, proxy_port, "soak-proxy", work / "proxy.log"))
         # Every process group the soak started, for checks that none outlives it.
         (work / "process_groups.json").write_text(json.dumps(
             {m.name: m.pgid for m in [*servers.values(), proxy]}))

@@ -19,12 +19,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcs_demo.demo import LOAD_COUNTERS as LOAD_VERDICTS
+from kvcs_demo.demo import counter_total
+
 from vllm_kvchecksum.kv_witness import differing_positions
 
 _MISMATCH_LINE = re.compile(r"KV checksum mismatch for request '([^']*)'")
 _CLIENT_INDEX = re.compile(r"soak-(\d+)(?:-|$)")
-# The consumer's checksum counters (vllm:kv_checksum_<name>_total) a load ends in.
-LOAD_VERDICTS = ("loads_verified", "loads_mismatched", "loads_unverified", "loads_not_compared")
 
 
 def read_lines(path: Path) -> list[dict]:
@@ -127,12 +128,12 @@ def detection(truths: list[LoadTruth], hung_up: set[int] | None = frozenset(), e
 
 def reconcile_consumer(delta: Mapping[str, int], loads_started: int) -> dict:
     """loads started (the drill's scheduler lines) = verified + mismatched + unverified + not compared."""
-    judged = {name: sum(v for k, v in delta.items() if k.split("/")[0] == name) for name in LOAD_VERDICTS}
+    judged = {name: counter_total(delta, name) for name in LOAD_VERDICTS}
     return {"loads_started": loads_started, **judged, "difference": loads_started - sum(judged.values())}
 
 
 def reconcile_producer(delta: Mapping[str, int], finished: int) -> dict:
     """finished producer requests (vLLM's request_success_total) = sent + not sent."""
     sent = delta.get("sent", 0)
-    not_sent = sum(v for k, v in delta.items() if k.split("/")[0] == "not_sent")
+    not_sent = counter_total(delta, "not_sent")
     return {"finished": finished, "sent": sent, "not_sent": not_sent, "difference": finished - sent - not_sent}

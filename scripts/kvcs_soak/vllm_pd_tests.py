@@ -26,13 +26,13 @@ from kvcs_demo.demo import checksum_counts, diff
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import ROOT, Setup, make_models, server_argv, server_env
 from kvcs_demo.summary import log
+from kvcs_soak.truth import LOAD_VERDICTS, counter_total
 
 STARTUP_TIMEOUT_S = 900.0
 TESTS_TIMEOUT_S = 900
 NIXL_TESTS = ROOT / "build" / "vllm" / "tests" / "v1" / "kv_connector" / "nixl_integration"
 # The files of vLLM's NIXL end-to-end tests run here (each needs live servers).
 TEST_FILES = ("test_edge_cases.py",)
-LOAD_VERDICTS = ("loads_verified", "loads_mismatched", "loads_unverified", "loads_not_compared")
 
 
 def kv_config() -> dict:
@@ -51,7 +51,7 @@ def judge(returncode: int, delta: dict[str, int]) -> list[str]:
     failures = []
     if returncode != 0:
         failures.append(f"vLLM's P/D tests failed (pytest exit {returncode})")
-    loads = {name: sum(v for k, v in delta.items() if k.split("/")[0] == name) for name in LOAD_VERDICTS}
+    loads = {name: counter_total(delta, name) for name in LOAD_VERDICTS}
     if loads["loads_verified"] == 0:
         failures.append("the consumer verified no load: the tests made no P/D transfer with checksums")
     bad = {k: v for k, v in delta.items() if k.split("/")[0] in LOAD_VERDICTS[1:] and v}
