@@ -12,7 +12,7 @@ SOAK_ARGS ?=
 PY := .venv/bin/python
 WORKBENCH := cd scripts && ../$(PY) -m workbench
 
-.PHONY: help demo soak setup test test-unit test-e2e test-upstream apply unapply refresh check-series rebase-check bench clean
+.PHONY: help demo soak rollback setup test test-unit test-e2e test-upstream apply unapply refresh check-series rebase-check bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -25,6 +25,9 @@ demo: setup ## real P/D servers catching injected KV faults: table + build/demo/
 
 soak: setup ## real P/D servers under load and the lease race, judged by ground truth: build/soak/report.json (SOAK_ARGS=--help)
 	PYTHONPATH=scripts $(PY) -m kvcs_soak --device $(VLLM_DEVICE) $(if $(MODEL),--model-path $(MODEL)) $(SOAK_ARGS)
+
+rollback: setup ## real servers: a bad block recomputed from itself, and kept out of the prefix cache: build/rollback/report.json
+	PYTHONPATH=scripts $(PY) -m kvcs_demo.rollback $(ROLLBACK_ARGS)
 
 test: setup ## every test: package, workbench, integration, e2e demo, upstream gate
 	ci/test.sh

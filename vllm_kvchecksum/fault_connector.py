@@ -76,7 +76,8 @@ ALL_KINDS = "all"
 # misplace_block copies a block of another recent load: how many loads back.
 RECENT_LOADS = 8
 
-_SETTING_KEYS = ("kinds", "rate", "seed", "log_path", "control_path", "witness_path", "stall_rate", "stall_s")
+_SETTING_KEYS = ("kinds", "rate", "seed", "log_path", "control_path", "witness_path", "stall_rate", "stall_s",
+                 "position")
 # The longest stall a drill may ask for: a stall blocks the engine loop.
 MAX_STALL_S = 60.0
 _CONTROL_KEYS = ("kinds", "rate", "stall_rate")
@@ -106,6 +107,9 @@ class FaultSettings:
     stall_rate, stall_s: the probability that a load starting stalls this
       worker's engine for stall_s seconds before its transfer is posted (a
       slow consumer: its reads come late and it sends no lease heartbeats).
+    position: the request block position the kinds that hit one block hit
+      (a drill of what follows a bad block k); None: drawn per load. A load
+      that holds no such position gets no fault (recorded as skipped).
     """
 
     kinds: tuple[str, ...] = KNOWN_KINDS
@@ -116,6 +120,7 @@ class FaultSettings:
     witness_path: str | None = None
     stall_rate: float = 0.0
     stall_s: float = 0.0
+    position: int | None = None
 
 
 def parse_kinds(value: Any, where: str) -> tuple[str, ...]:
@@ -154,6 +159,14 @@ def _parse_stall(value: Any, where: str) -> float:
     return float(value)
 
 
+def _parse_position(value: Any, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where} must be a block position (an integer >= 0) or null, got {value!r}")
+    return value
+
+
 def _parse_path(value: Any, where: str) -> str | None:
     if value is None:
         return None
@@ -186,7 +199,8 @@ def parse_fault_settings(extra_config: Mapping[str, Any]) -> FaultSettings:
         control_path=_parse_path(section.get("control_path"), f"{FAULTS_KEY}.control_path"),
         witness_path=_parse_path(section.get("witness_path"), f"{FAULTS_KEY}.witness_path"),
         stall_rate=parse_rate(section.get("stall_rate", defaults.stall_rate), f"{FAULTS_KEY}.stall_rate"),
-        stall_s=_parse_stall(section.get("stall_s", defaults.stall_s), f"{FAULTS_KEY}.stall_s"))
+        stall_s=_parse_stall(section.get("stall_s", defaults.stall_s), f"{FAULTS_KEY}.stall_s"),
+        position=_parse_position(section.get("position"), f"{FAULTS_KEY}.position"))
 
 
 def check_connectors(extra_config: Mapping[str, Any]) -> None:
@@ -933,6 +947,8 @@ class KVChecksumFaultConnector(MultiConnector):
             choices = {}
             if plan.kind == "misplace_block":
                 choices["source_block_id"] = self._misplace_source(req_id, group, block_ids, rng)
+            if self.settings.position is not None and faults.takes_position(plan.kind):
+                choices["position"] = self.settings.position
             injected = faults.inject(plan.kind, caches, block_ids, num_tokens=plan.num_tokens,
                                      block_size=self._block_size(group), rng=rng, first_position=first,
                                      layout="HND", **choices)

@@ -35,6 +35,7 @@ checksum mismatch lands exactly at the reported positions.
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -561,6 +562,11 @@ FAULT_KINDS: dict[str, Callable[..., list[Injection]]] = {
     "misplace_block": misplace_block,
     "change_tail": change_tail,
 }
+
+
+def takes_position(kind: str) -> bool:
+    """Whether the kind can be told which block position to hit (its `position` choice)."""
+    return "position" in inspect.signature(FAULT_KINDS[kind]).parameters
 
 
 def inject(kind: str, caches: Mapping[str, torch.Tensor], block_ids: Sequence[int],

@@ -15,6 +15,13 @@ KVChecksumProm.observe, which adds them to these counters on /metrics:
       failed ("load_failed"), or the request ended before its load finished
       ("request_ended")
   vllm:kv_checksum_mismatched_blocks_total        block positions that differed
+  vllm:kv_checksum_loads_recomputed_total{rollback}
+      failed loads recomputed (kv_load_failure_policy "recompute"): from
+      their first bad block, keeping the verified prefix
+      ("from_first_bad_block"), or from the start ("whole_prompt": several
+      KV cache groups, a Mamba state or a sliding window, an unverified load)
+  vllm:kv_checksum_recomputed_tokens_total        loaded tokens those rollbacks
+      dropped (the load's end minus what was kept)
   vllm:kv_checksum_sent_total                     producer payloads sent
   vllm:kv_checksum_not_sent_total{reason}         producer payloads not sent
   vllm:kv_checksum_offloaded_loads_verified_total, ..._mismatched_total,
@@ -50,6 +57,8 @@ NOT_COMPARED = "loads_not_compared"
 MISMATCHED_BLOCKS = "mismatched_blocks"
 SENT = "sent"
 NOT_SENT = "not_sent"
+LOADS_RECOMPUTED = "loads_recomputed"
+RECOMPUTED_TOKENS = "recomputed_tokens"
 # Loads of offloaded KV: the verdict keys above with this prefix.
 OFFLOADED = "offloaded_"
 OFFLOADED_NOT_CHECKED = "offloaded_loads_not_checked"
@@ -59,6 +68,7 @@ OFFLOADED_NOT_CHECKED = "offloaded_loads_not_checked"
 # outside the process.
 NOT_COMPARED_REASONS = ("load_failed", "request_ended")
 NOT_SENT_REASONS = ("sum_failed", "not_carried")
+ROLLBACKS = ("from_first_bad_block", "whole_prompt")
 OFFLOADED_NOT_CHECKED_REASONS = ("sync_load", "tier_not_covered", "no_groups")
 
 # name -> (documentation, label name or None, known label values).
@@ -70,6 +80,9 @@ COUNTERS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     NOT_COMPARED: ("Loads of KV never compared: the connector reported the load failed, or the request ended "
                    "before it finished.", "reason", NOT_COMPARED_REASONS),
     MISMATCHED_BLOCKS: ("Block positions whose KV checksums differed, over all mismatched loads.", None, ()),
+    LOADS_RECOMPUTED: ("Failed loads recomputed, from their first bad block (the verified prefix kept) or from "
+                       "the start of the prompt.", "rollback", ROLLBACKS),
+    RECOMPUTED_TOKENS: ("Loaded tokens dropped by recomputing failed loads.", None, ()),
     SENT: ("Producer requests whose KV checksums were sent with their KV.", None, ()),
     NOT_SENT: ("Producer requests whose KV checksums were not sent, by reason.", "reason", NOT_SENT_REASONS),
     OFFLOADED + VERIFIED: ("Loads of offloaded KV whose stored KV checksums matched.", None, ()),

@@ -262,6 +262,14 @@ class KVChecksumScheduler:
         self.stats: Counter[str] = Counter()
         # The counts not yet taken for vLLM's stats (metrics.py keys).
         self._metrics: Counter[str] = Counter()
+        # Of the output being processed (reset by collect): per load failed
+        # under fail-closed, the tokens a recompute keeps (None: none, the
+        # whole prompt) and the load's end (recompute_from); per load used
+        # under fail-open although it mismatched, the token from which its
+        # request's blocks must stay out of the prefix cache
+        # (take_cache_limits).
+        self._failed_prefix: dict[str, tuple[int | None, int]] = {}
+        self._cache_limits: dict[str, int] = {}
 
     @classmethod
     def create(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, connector,
@@ -480,7 +488,11 @@ class KVChecksumScheduler:
             for gid, positions in failed.items():
                 start = pending.blocks.groups[gid].start
                 unusable.update(pending.held[gid][min(positions, default=start) - start:])
-            if not self.fail_closed or pending.ended:
+            if pending.ended:
+                continue
+            if not self.fail_closed:
+                if verdict.status is CheckStatus.MISMATCH:
+                    self._cache_limits[rid] = self._first_bad_token(verdict)
                 continue
             reasons[rid] = client_reason(verdict)
             for gid, positions in failed.items():
@@ -563,7 +575,14 @@ class KVChecksumScheduler:
         return None if step.is_empty() else step
 
     def collect(self, output: KVChecksumOutput | None) -> None:
-        """Keep the step's worker records of pending requests."""
+        """Keep the step's worker records of pending requests.
+
+        Called first in each update (update_from_output): what the previous
+        update's verdicts left for the Scheduler to take is dropped here, so
+        it never outlives the update that made it.
+        """
+        self._failed_prefix = {}
+        self._cache_limits = {}
         if not output:
             return
         for record in output.finalize():
@@ -659,9 +678,90 @@ class KVChecksumScheduler:
                 continue
             self._note_groups_left_out(rid, pending)
             self._note_tp_left_out(verdict)
-            if verdict.status is not CheckStatus.VERIFIED and self.fail_closed:
+            if verdict.status is CheckStatus.VERIFIED:
+                continue
+            if self.fail_closed:
                 failed[rid] = client_reason(verdict)
+                self._failed_prefix[rid] = (self._verified_prefix(pending, verdict), pending.blocks.num_tokens)
+            elif verdict.status is CheckStatus.MISMATCH:
+                self._cache_limits[rid] = self._first_bad_token(verdict)
         return failed
+
+    def recompute_from(self, req_id: str) -> int:
+        """Where vLLM recomputes a load this update failed (verify_finished_loads), in tokens.
+
+        Called by the Scheduler under kv_load_failure_policy "recompute" for
+        each such load it rolls back, before the request is scheduled again.
+        The request keeps its local prefix-cache hit and the loaded blocks
+        before the first bad one (_verified_prefix), or nothing (0: the whole
+        prompt, vLLM's own rollback of a failed load). Counts the rollback
+        and the loaded tokens it drops.
+        """
+        kept, load_end = self._failed_prefix.get(req_id, (None, 0))
+        scope = "whole_prompt" if kept is None else "from_first_bad_block"
+        self._metrics[metrics.labelled(metrics.LOADS_RECOMPUTED, scope)] += 1
+        self._metrics[metrics.RECOMPUTED_TOKENS] += max(load_end - (kept or 0), 0)
+        return kept or 0
+
+    def _verified_prefix(self, pending: _Pending, verdict: LoadVerdict) -> int | None:
+        """The tokens of a failed load's request that compared equal or were never loaded, or None.
+
+        Tokens [0, first bad block): the local prefix-cache hit and the
+        loaded blocks before the first one that mismatched. Only where that
+        prefix is known good in every group: one KV cache group, of
+        attention (a Mamba state is not per block; a sliding window's blocks
+        before the window are not transferred), mismatched, every loaded
+        block compared (a payload that covers fewer blocks compares less
+        than was loaded, and what it left out is not verified). Anything else,
+        and an unverified load: None, the whole prompt is recomputed.
+        """
+        if verdict.status is not CheckStatus.MISMATCH or self.num_kv_cache_groups != 1:
+            return None
+        gid, blocks = next(iter(pending.blocks.groups.items()))  # a mismatch compared the one group
+        layout = self._layout(gid)
+        group = verdict.groups.get(gid)
+        if layout.is_state or layout.window_blocks > 0 or group is None or not group.mismatched_blocks:
+            return None
+        if group.compared_blocks != len(blocks.block_ids):
+            return None
+        first = min(group.mismatched_blocks)
+        if not blocks.start <= first < blocks.start + len(blocks.block_ids):
+            return None
+        return first * layout.block_size
+
+    def _first_bad_token(self, verdict: LoadVerdict) -> int:
+        """The first token of the first mismatched block over the groups (0 for a Mamba state group).
+
+        What follows it in the request (later blocks, and decode attends to
+        it) depends on bad KV; a state group's whole state is bad.
+        """
+        first = []
+        for gid, positions in verdict.mismatched_blocks.items():
+            layout = self._layout(gid)
+            first.append(0 if layout.is_state or not positions else min(positions) * layout.block_size)
+        return min(first, default=0)
+
+    def take_cache_limits(self) -> dict[str, int]:
+        """Requests that use KV which failed its check (fail-open), each with the token from which
+        their blocks must never be in the prefix cache.
+
+        Called by the Scheduler after this update's verdicts
+        (verify_sync_loads, verify_finished_loads). Its request uses such
+        KV; no other request may hit it, nor any block computed after it
+        (whose KV attended to it). The Scheduler sets the request's
+        max_cached_tokens and evicts its blocks from there on (blocks_from).
+        """
+        limits, self._cache_limits = self._cache_limits, {}
+        return limits
+
+    def blocks_from(self, num_tokens: int, block_ids) -> set[int]:
+        """A request's block ids (per KV cache group) that hold tokens at or past num_tokens."""
+        out: set[int] = set()
+        for layout in self.layouts:
+            if layout.group_id < len(block_ids):
+                ids = block_ids[layout.group_id]
+                out.update(i for i in ids[num_tokens // layout.block_size:] if i != self.null_block_id)
+        return out
 
     def _judge(self, rid: str, pending: _Pending) -> LoadVerdict | None:
         """Compare one finished load, count and log its verdict, and let the

@@ -116,8 +116,10 @@ def checksum_counts(url: str, attempts: int = 3) -> dict[str, float]:
         if not name.startswith(METRIC) or not name.endswith("_total"):
             continue
         key = name[len(METRIC):-len("_total")]
-        reason = dict(labels).get("reason")
-        counts[f"{key}/{reason}" if reason else key] = counts.get(f"{key}/{reason}" if reason else key, 0) + value
+        # The counter's own label (reason, rollback), not vLLM's (model_name, engine).
+        label = next((v for k, v in labels if k not in ("model_name", "engine")), None)
+        key = f"{key}/{label}" if label else key
+        counts[key] = counts.get(key, 0) + value
     return counts
 
 

@@ -41,6 +41,7 @@ KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layer
 pytestmark = pytest.mark.e2e
 
 MODES = ["pull", "push", "mooncake"]
+LOAD_VERDICTS = ("loads_verified", "loads_mismatched", "loads_unverified", "loads_not_compared")
 # What the consumers' startup line says carries the checksums.
 CARRIER = {"pull": "carrier kv_transfer_params", "push": "carrier connector", "mooncake": "carrier connector"}
 # Modes whose checksums do not ride kv_transfer_params: no hostile client.
@@ -103,7 +104,8 @@ def test_each_injection_is_detected_at_its_positions(demo):
             assert (total(m, "loads_verified"), total(m, "loads_mismatched"), total(m, "loads_unverified")) == \
                 expect, (s["name"], ph["phase"], m)
             if ph["phase"] == "drop_checksums":
-                assert m == {"loads_unverified/no_producer_checksums": n}, m
+                verdicts = {k: v for k, v in m.items() if k.split("/")[0] in LOAD_VERDICTS}
+                assert verdicts == {"loads_unverified/no_producer_checksums": n}, m
             assert ph["false_mismatches"] == 0
 
 
@@ -129,6 +131,11 @@ def test_policies_on_real_servers(demo):
         assert ph["http_errors"] == 0 and ph["outputs"] == ph["requests"], ph
         if ph["phase"] != "change_tail":
             assert ph["outputs_equal"] == ph["requests"], ph
+        # Gemma-2 with the hybrid manager has two KV cache groups: vLLM rolls
+        # a failed load back to its first token (docs/e2e.md).
+        failed = ph["phase"] not in ("clean", "change_tail")
+        assert ph["metrics"].get("loads_recomputed/whole_prompt", 0) == (ph["requests"] if failed else 0), ph
+        assert total(ph["metrics"], "loads_recomputed") == (ph["requests"] if failed else 0), ph
     for ph in by_policy["open"]["phases"]:
         # fail-open: the output is returned, and the mismatch counted.
         assert ph["http_errors"] == 0 and ph["outputs"] == ph["requests"], ph

@@ -15,6 +15,7 @@ The scheduler holds only the first worker's layers, as in vLLM.
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -106,6 +107,15 @@ def series_lacks(mode: str) -> str | None:
     if scheduler_connector(CONNECTORS[mode]).can_carry_kv_checksums():
         return None
     return f"{CONNECTORS[mode]} carries no KV checksums at this prefix of the series"
+
+
+def series_lacks_first_bad_block_rollback() -> bool:
+    """Only under `make check-series`: whether this prefix of the series is
+    before the patch that recomputes a failed load from its first bad block
+    (before it, vLLM recomputes the whole prompt). Anywhere else False."""
+    import os
+
+    return bool(os.environ.get("KVCS_VLLM_TREE")) and "max_cached_tokens" not in inspect.getsource(Request.__init__)
 
 
 def series_lacks_producer_tp_size() -> bool:
@@ -274,7 +284,8 @@ def stats(side: Side) -> dict:
 
 def make_config(role: str, tp: int, pp: int, block_size: int, *, enable: bool = True, fail_closed: bool = False,
                 policy: str = "fail", connector: str = "NixlConnector",
-                connector_extra: dict | None = None, connector_module_path: str | None = None) -> VllmConfig:
+                connector_extra: dict | None = None, connector_module_path: str | None = None,
+                max_num_batched_tokens: int = 2048) -> VllmConfig:
     """A real VllmConfig of one side. connector_extra with "connectors" makes
     it a MultiConnector, unless connector_module_path names another wrapper."""
     if connector_module_path is None and (connector == "MultiConnector" or (connector_extra or {}).get("connectors")):
@@ -285,7 +296,8 @@ def make_config(role: str, tp: int, pp: int, block_size: int, *, enable: bool = 
                           kv_load_failure_policy=policy, kv_connector_extra_config=connector_extra or {})
     return VllmConfig(
         model_config=model_config,
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=2048,
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,

@@ -134,6 +134,7 @@ def test_good_config_parses():
         "kinds": ["flip_bit", "swap_blocks"], "rate": 0.25, "seed": 7, "log_path": "/tmp/x.jsonl",
         "control_path": "/tmp/c.json"}})
     assert s == fc.FaultSettings(("flip_bit", "swap_blocks"), 0.25, 7, "/tmp/x.jsonl", "/tmp/c.json")
+    assert fc.parse_fault_settings({"kv_checksum_faults": {"position": 3}}).position == 3
     assert fc.parse_fault_settings({"kv_checksum_faults": {"kinds": "all"}}).kinds == fc.KNOWN_KINDS
     assert set(fc.KNOWN_KINDS) == set(faults.FAULT_KINDS) | {"drop_checksums"}
     # Defaults: every kind, every load, seed 0, no files.
@@ -153,6 +154,9 @@ def test_good_config_parses():
     ({"log_path": ""}, "kv_checksum_faults.log_path"),
     ({"control_path": 3}, "kv_checksum_faults.control_path"),
     ({"rates": 1}, "kv_checksum_faults: unknown key"),
+    ({"position": -1}, "kv_checksum_faults.position"),
+    ({"position": 1.0}, "kv_checksum_faults.position"),
+    ({"position": True}, "kv_checksum_faults.position"),
 ])
 def test_bad_settings_name_the_key(section, key):
     with pytest.raises(ValueError, match=key):
@@ -539,6 +543,27 @@ def test_worker_injects_at_the_planned_blocks(kind, first_position, worker, tmp_
     [line] = warnings_of(fault_logs)
     assert line.startswith(f"KV checksum drill: injected {kind} into request r1: group 0 block positions "
                            f"{record['positions']}")
+
+
+@pytest.mark.parametrize("kind", [k for k in faults.FAULT_KINDS if faults.takes_position(k)])
+@pytest.mark.parametrize("position", [2, 4])
+def test_a_configured_position_is_the_one_hit(kind, position, worker, tmp_path):
+    conn, caches = worker({"position": position})
+    plan = plan_of(kind, 1, block_ids=(5, 7, 9, 11))
+    bind_plans(conn, {"r1": plan})
+    finish(conn, finished={"r1"})
+    [record] = read_records(tmp_path / "injections.jsonl")
+    assert record["skipped"] is None and record["positions"][0] == position, record
+
+
+def test_a_configured_position_the_load_lacks_is_skipped(worker, tmp_path):
+    conn, caches = worker({"position": 0})
+    before = raw(caches)
+    bind_plans(conn, {"r1": plan_of("flip_bit", 1, block_ids=(5, 7, 9, 11))})
+    finish(conn, finished={"r1"})
+    [record] = read_records(tmp_path / "injections.jsonl")
+    assert record["skipped"] and record["positions"] == []
+    assert changed_block_ids(before, caches) == set()
 
 
 def test_log_line_names_the_spot():

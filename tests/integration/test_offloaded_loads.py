@@ -17,6 +17,7 @@ from vllm.v1.request import RequestStatus
 from offload_harness import (STORE, corrupt_store_kv, empty_store, host_connector, load_prompt,  # noqa: F401 (fixture)
                              load_prompt_sync, make_offload_side, perform_loads, store_prompt)
 from pd_harness import (ReportingConnector, forward_of, load, make_config, make_request, make_side, prompt_of, runner_step,
+                        series_lacks_first_bad_block_rollback,
                         stats)
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -77,6 +78,12 @@ def test_corrupted_store_value_fails_the_load_and_is_dropped(kind, policy, logs)
     if policy == "fail":
         assert out.finish_reason.name == "ERROR" and result.request.is_finished()
         assert out.stop_reason.startswith("kv_checksum_mismatch: the KV loaded back from the offloaded KV cache")
+    elif not series_lacks_first_bad_block_rollback():
+        # Recomputed from the bad block: the blocks before it compared equal
+        # and stay; the bad one is gone from the store.
+        req = result.request
+        assert not req.is_finished() and result.next_scheduled == PROMPT - bad * BS
+        assert B.reported_metrics["loads_recomputed/from_first_bad_block"] == 1
     else:
         # Retried: the store no longer has the bad block, so the retry loads
         # the blocks before it (checked again) and computes the rest.
@@ -598,9 +605,12 @@ def test_producer_preempted_after_its_send_resumes_through_an_async_offloaded_lo
     # The resumed prompt step computes past the prompt (its first output token too).
     assert sent_with and sent_with[-1] > PROMPT - FULL * BS
     expected = {"verified": 1, "offloaded_verified": 1, "sent": 1}
-    if corrupt:
+    if corrupt and series_lacks_first_bad_block_rollback():
         # Recomputed: loaded again without the bad block (dropped from the store).
         expected.update(mismatch=1, offloaded_mismatch=1)
+    elif corrupt:
+        # Recomputed from the bad block 2: blocks 0-1 compared equal and stay.
+        expected = {"mismatch": 1, "offloaded_mismatch": 1, "sent": 1}
     assert stats(P) == expected, logs.text
     assert host_connector(P).failures == ([(req.request_id, {0: (2,)})] if corrupt else [])
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED and params and "kv_checksums" in params
