@@ -572,12 +572,21 @@ def print_table(report: dict) -> None:
 
 # ----------------------------------------------------------------- main
 
+# The KV cache pool of a server: this many blocks per KV cache group of the
+# model (the hybrid manager's groups share one pool; 24 blocks of 32 tokens
+# hold one request of the servers' 512-token limit per group, with some room).
+BLOCKS_PER_GROUP = 24
+KV_CACHE_GROUPS = {"llama": 1, "gemma2": 2}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="make soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=1000, help="client requests in the run (default 1000)")
     p.add_argument("--concurrency", type=int, default=48, help="requests in flight (default 48)")
-    p.add_argument("--blocks", type=int, default=24,
-                   help="KV cache blocks of each server (default 24, of 32 tokens: small, so both sides preempt)")
+    p.add_argument("--blocks", type=int, default=None,
+                   help=f"KV cache blocks of each server, of 32 tokens: small, so both sides preempt (default "
+                        f"{BLOCKS_PER_GROUP} per KV cache group: {BLOCKS_PER_GROUP} for llama, "
+                        f"{2 * BLOCKS_PER_GROUP} for gemma2, whose sliding-window and full groups share the pool)")
     p.add_argument("--lease-s", type=int, default=5,
                    help="the producer's KV lease (NIXL kv_lease_duration, seconds; vLLM's default is 30)")
     p.add_argument("--stall-rate", type=float, default=0.1,
@@ -615,6 +624,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "build" / "soak")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
+    if args.blocks is None:
+        args.blocks = BLOCKS_PER_GROUP * KV_CACHE_GROUPS[args.model]
     if args.proxy == "vllm" and args.mode != "pull":
         p.error("--proxy vllm drives the pull layout only (vLLM's toy proxy runs the two pull legs)")
     if args.ci:

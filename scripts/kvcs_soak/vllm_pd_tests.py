@@ -1,12 +1,20 @@
 """vLLM's own P/D end-to-end tests, unmodified, against servers with KV checksums on.
 
-    .venv/bin/python -m kvcs_soak.vllm_pd_tests [--out DIR]   (scripts/ on PYTHONPATH)
+    .venv/bin/python -m kvcs_soak.vllm_pd_tests [--suite edge-cases|mamba-prefix-cache] [--out DIR]
+    (scripts/ on PYTHONPATH)
 
-Starts a producer and a consumer as vLLM's run_edge_case_test.sh does
+Starts a producer and a consumer as vLLM's run script for the suite does
 (NixlConnector, kv_role kv_both), with enable_kv_checksum and fail-closed
-added, the tiny Llama on the CPU, and vLLM's own toy proxy
-(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py), then runs
-vLLM's test_edge_cases.py against them with pytest, as that script does.
+added, a tiny model on the CPU, and vLLM's own toy proxy
+(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py), then runs the
+suite's test file against them with pytest, as that script does:
+- edge-cases (run_edge_case_test.sh, test_edge_cases.py): the tiny Llama;
+- mamba-prefix-cache (run_mamba_prefix_cache_test.sh,
+  test_mamba_prefix_cache.py): the tiny granite-4.0-h style hybrid (Mamba2
+  and attention; a copy that admits 16384 positions, as the script's
+  --max-model-len asks: it has no position embedding), prefix caching with
+  --mamba-cache-mode align, block size 128. The same long prompt twice: the
+  second load must transfer less (a prefix hit on the consumer).
 The tests must pass, and the consumer's /metrics must show every load it
 made verified: none mismatched, unverified or left uncompared. Writes
 OUT/report.json; exits non-zero when a check fails.
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,8 +40,50 @@ from kvcs_soak.truth import LOAD_VERDICTS, counter_total
 STARTUP_TIMEOUT_S = 900.0
 TESTS_TIMEOUT_S = 900
 NIXL_TESTS = ROOT / "build" / "vllm" / "tests" / "v1" / "kv_connector" / "nixl_integration"
-# The files of vLLM's NIXL end-to-end tests run here (each needs live servers).
-TEST_FILES = ("test_edge_cases.py",)
+# vLLM's NIXL end-to-end tests run here (each needs live servers): the test
+# file, the tiny model, and the serve flags of its run script that differ
+# from the demo's servers.
+SUITES = {
+    "edge-cases": ("test_edge_cases.py", "llama", {}),
+    "mamba-prefix-cache": ("test_mamba_prefix_cache.py", "granite-h-long",
+                           {"--block-size": "128", "--max-model-len": "16384", "--mamba-cache-mode": "align",
+                            "--enable-prefix-caching": None}),
+}
+LONG_POSITIONS = 16384
+
+
+def suite_model(name: str) -> Path:
+    """The suite's tiny model directory (made under build/ on first use)."""
+    if name == "llama":
+        return make_models(ROOT / "build")["llama"]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tiny_model import make_granite_h
+
+    base = make_granite_h(ROOT / "build" / "tiny-granite-h")
+    long = ROOT / "build" / "tiny-granite-h-long"
+    if not (long / "config.json").exists():
+        tmp = long.with_name(long.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(base, tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config["max_position_embeddings"] = LONG_POSITIONS
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tmp.rename(long)
+    return long
+
+
+def with_flags(argv: list[str], flags: dict[str, str | None]) -> list[str]:
+    """argv with each flag set to its value (replaced when present, else added; None: a switch)."""
+    argv = list(argv)
+    for flag, value in flags.items():
+        if flag in argv:
+            i = argv.index(flag)
+            if value is None:
+                continue
+            argv[i + 1] = value
+        else:
+            argv += [flag] if value is None else [flag, value]
+    return argv
 
 
 def kv_config() -> dict:
@@ -62,18 +113,21 @@ def judge(returncode: int, delta: dict[str, int]) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcs_soak.vllm_pd_tests", description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", choices=sorted(SUITES), default="edge-cases")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "vllm-pd-tests")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
     t0 = time.monotonic()
     work = args.out
     work.mkdir(parents=True, exist_ok=True)
-    setup = Setup("vllm-pd", make_models(ROOT / "build")["llama"], faults=False)
+    test_file, model, flags = SUITES[args.suite]
+    setup = Setup("vllm-pd", suite_model(model), faults=False)
     specs = []
     for side in ("producer", "consumer"):
         port, side_port = free_port_block(1), free_port_block(8)
         setup.urls[side] = f"http://127.0.0.1:{port}"
-        specs.append(ServerSpec(f"vllm-pd-{side}", server_argv(args.python, setup, "kv_both", port, "cpu", kv_config()),
+        argv_ = with_flags(server_argv(args.python, setup, "kv_both", port, "cpu", kv_config()), flags)
+        specs.append(ServerSpec(f"vllm-pd-{side}", argv_,
                                 server_env("cpu", side_port) | {"PYTHONUNBUFFERED": "1"}, port,
                                 work / f"{side}.log"))
     proxy_port = free_port_block(1)
@@ -93,13 +147,13 @@ def main(argv=None) -> int:
         # empties the accelerator's cache after each test, which raises on a
         # machine with none; these tests use none of its fixtures.
         tests = subprocess.run([args.python, "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q", "-s",
-                                *(str(NIXL_TESTS / f) for f in TEST_FILES)], env=env, cwd=NIXL_TESTS,
+                                str(NIXL_TESTS / test_file)], env=env, cwd=NIXL_TESTS,
                                capture_output=True, text=True, timeout=TESTS_TIMEOUT_S)
         (work / "pytest.log").write_text(tests.stdout + tests.stderr)
         time.sleep(2.0)  # the last verdict reaches /metrics with the next stats interval
         delta = diff(checksum_counts(setup.urls["consumer"]), before)
     failures = judge(tests.returncode, delta)
-    report = {"tests": list(TEST_FILES), "pytest_exit": tests.returncode, "pytest_tail": tests.stdout[-2000:],
+    report = {"suite": args.suite, "tests": [test_file], "pytest_exit": tests.returncode, "pytest_tail": tests.stdout[-2000:],
               "consumer_checksums": delta, "failures": failures, "ok": not failures,
               "wall_s": time.monotonic() - t0}
     (work / "report.json").write_text(json.dumps(report, indent=2))

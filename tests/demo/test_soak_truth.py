@@ -256,3 +256,12 @@ def test_the_cost_baseline_is_the_same_stack_with_checksums_off(tmp_path):
     answers.append(soak.Answer(9, 500, "x", False, 9.0))
     summary = soak.latency_summary(answers, 2.0)
     assert summary == {"ok": 4, "p50_ms": 300.0, "p99_ms": 400.0, "throughput_rps": 2.0}
+
+
+def test_the_kv_cache_pool_grows_with_the_models_groups(tmp_path):
+    """Gemma-2's sliding-window and full groups share one pool: 24 blocks
+    would not hold one 512-token request of both (the server refuses to
+    start), so the default is 24 per group. --blocks overrides it."""
+    assert soak.parse_args(["--out", str(tmp_path)]).blocks == 24
+    assert soak.parse_args(["--model", "gemma2", "--out", str(tmp_path)]).blocks == 48
+    assert soak.parse_args(["--model", "gemma2", "--blocks", "30", "--out", str(tmp_path)]).blocks == 30
