@@ -34,6 +34,15 @@ KVChecksumProm.observe, which adds them to these counters on /metrics:
       for ("tier_not_covered"), or groups the workers keep no entries for
       ("no_groups")
 
+And three gauges, the checksum state a scheduler holds now (reported with
+the first stats update after they change, so they read 0 once the traffic
+has stopped and nothing is held; a value that stays up is a leak):
+
+  vllm:kv_checksum_loads_in_flight   loads started and not yet judged or dropped
+  vllm:kv_checksum_sends_in_flight   producer requests checksummed, not yet finished
+  vllm:kv_checksum_held_blocks       blocks of synchronous loads no other request
+                                     may hit until their verdict
+
 A mismatch is only ever counted as mismatched: a cache miss is no load at all
 (vLLM's external prefix cache counters), and a connector failure is
 not_compared{reason="load_failed"} (and the connector's own counters, e.g.
@@ -95,6 +104,16 @@ COUNTERS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
                             OFFLOADED_NOT_CHECKED_REASONS),
 }
 
+# Gauges: stats keys whose value is the current state, set rather than added.
+LOADS_IN_FLIGHT = "loads_in_flight"
+SENDS_IN_FLIGHT = "sends_in_flight"
+HELD_BLOCKS = "held_blocks"
+GAUGES: dict[str, str] = {
+    LOADS_IN_FLIGHT: "KV loads started whose checksums are not yet compared (or dropped).",
+    SENDS_IN_FLIGHT: "Producer requests whose KV was checksummed and that have not finished yet.",
+    HELD_BLOCKS: "Blocks of synchronous loads of offloaded KV that no other request may hit until their verdict.",
+}
+
 METRIC_PREFIX = "vllm:kv_checksum_"
 
 
@@ -118,12 +137,18 @@ class KVChecksumProm:
     """
 
     def __init__(self, enabled: bool, labelnames: list[str],
-                 per_engine_labelvalues: Mapping[int, list[Any]], counter_cls):
+                 per_engine_labelvalues: Mapping[int, list[Any]], counter_cls, gauge_cls=None):
         self._counters: dict[str, dict[int, Any]] = {}
         self._labelled: dict[str, Any] = {}
+        self._gauges: dict[str, dict[int, Any]] = {}
         self._per_engine = {idx: list(values) for idx, values in per_engine_labelvalues.items()}
         if not enabled:
             return
+        if gauge_cls is not None:
+            for key, doc in GAUGES.items():
+                gauge = gauge_cls(name=metric_name(key), documentation=doc, labelnames=labelnames,
+                                  multiprocess_mode="mostrecent")
+                self._gauges[key] = {idx: gauge.labels(*lv) for idx, lv in self._per_engine.items()}
         for key, (doc, label, values) in COUNTERS.items():
             if label is None:
                 counter = counter_cls(name=metric_name(key), documentation=doc, labelnames=labelnames)
@@ -146,6 +171,10 @@ class KVChecksumProm:
         if not stats or not self.enabled:
             return
         for key, count in stats.items():
+            if key in self._gauges:
+                if count >= 0:
+                    self._gauges[key][engine_idx].set(count)
+                continue
             if count <= 0:
                 continue
             name, _, value = key.partition("/")

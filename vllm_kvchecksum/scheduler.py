@@ -270,6 +270,8 @@ class KVChecksumScheduler:
         # (take_cache_limits).
         self._failed_prefix: dict[str, tuple[int | None, int]] = {}
         self._cache_limits: dict[str, int] = {}
+        # The gauges as last reported (take_metrics); all 0 at the start.
+        self._gauges_reported: dict[str, int] = dict.fromkeys(metrics.GAUGES, 0)
 
     @classmethod
     def create(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, connector,
@@ -306,11 +308,25 @@ class KVChecksumScheduler:
         return self
 
     def take_metrics(self) -> dict[str, int] | None:
-        """The counts since the last call (metrics.py keys), for vLLM's SchedulerStats; None if none."""
-        if not self._metrics:
+        """The counts since the last call (metrics.py keys), for vLLM's SchedulerStats; None if none.
+
+        With them, each gauge (metrics.GAUGES) whose value changed since the
+        last call: the state held now.
+        """
+        gauges = self.gauges()
+        changed = {k: v for k, v in gauges.items() if self._gauges_reported.get(k) != v}
+        if not self._metrics and not changed:
             return None
         counts, self._metrics = dict(self._metrics), Counter()
+        counts.update(changed)
+        self._gauges_reported = gauges
         return counts
+
+    def gauges(self) -> dict[str, int]:
+        """What this scheduler holds now: loads and sends in flight, held blocks."""
+        return {metrics.LOADS_IN_FLIGHT: len(self._recvs) + sum(len(loads) for loads in self._sync.values()),
+                metrics.SENDS_IN_FLIGHT: len(self._sends),
+                metrics.HELD_BLOCKS: len(self._held)}
 
     # -- each step ---------------------------------------------------------
 

@@ -349,6 +349,38 @@ def scrape_counts(url: str) -> dict[str, float]:
     return counts
 
 
+HELD_GAUGES = ("loads_in_flight", "sends_in_flight", "held_blocks")
+
+
+def held_state(urls: dict[str, str], client: httpx.Client) -> dict[str, dict[str, float]]:
+    """What each server's checksum scheduler still holds once the traffic has stopped (its gauges).
+
+    The gauges reach /metrics with the first step after they change; one
+    local request per server (no P/D, so no counter moves but the server's
+    finished requests, read before) makes sure that step has run. Polled
+    until every gauge reads 0, or SETTLE_MAX_S: a gauge that stays up is a
+    leak.
+    """
+    for url in urls.values():
+        try:
+            client.post(f"{url}/v1/completions", json={"model": "", "prompt": "flush", "max_tokens": 1},
+                        timeout=REQUEST_TIMEOUT_S)
+        except httpx.HTTPError:
+            pass  # judged by the gauges
+    deadline = time.monotonic() + SETTLE_MAX_S
+    while True:
+        held = {}
+        for side, url in urls.items():
+            samples = prom.scrape(url)
+            names = {name for name, _ in samples}
+            # A gauge the server does not export reads None (a failure), not 0.
+            held[side] = {g: prom.counter(samples, f"vllm:kv_checksum_{g}")
+                          if f"vllm:kv_checksum_{g}" in names else None for g in HELD_GAUGES}
+        if not any(v != 0 for gauges in held.values() for v in gauges.values()) or time.monotonic() > deadline:
+            return held
+        time.sleep(1.0)
+
+
 def settle(urls: dict[str, str]) -> dict[str, dict[str, float]]:
     """Counters once they stopped moving for SETTLE_S (bounded by SETTLE_MAX_S)."""
     last, since, deadline = None, time.monotonic(), time.monotonic() + SETTLE_MAX_S
@@ -451,7 +483,8 @@ def kill_and_restart(group: ProcessGroup, servers: dict, spec: ServerSpec) -> tu
     return killed_at, time.monotonic()
 
 
-def build_report(args, answers, planned, counts, truths, started, alive, rss, wall, death=None) -> dict:
+def build_report(args, answers, planned, counts, truths, started, alive, rss, wall, death=None,
+                 held=None) -> dict:
     consumer, producer = counts["consumer"], counts["producer"]
     hung_up = {a.index for a in answers if a.disconnected}
     # vLLM's toy proxy gives the servers ids of its own (uuid): a load names
@@ -508,6 +541,10 @@ def build_report(args, answers, planned, counts, truths, started, alive, rss, wa
         failures.append(f"only {det['clean']} clean loads (at least {args.min_clean} needed)")
     if not consumer.get("preemptions") and not producer.get("preemptions"):
         failures.append("no preemption on either side: the KV caches were not under pressure (--blocks)")
+    leaks = {side: {g: v for g, v in gauges.items() if v != 0} for side, gauges in (held or {}).items()}
+    if any(leaks.values()):
+        failures.append(f"checksum state still held after the traffic stopped (a leak; None: not exported): "
+                        f"{leaks}")
     return {
         "command": " ".join(sys.argv), "wall_s": wall,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
@@ -519,7 +556,7 @@ def build_report(args, answers, planned, counts, truths, started, alive, rss, wa
         "unverified": {k: v for k, v in consumer.items() if k.startswith("loads_unverified")},
         "not_compared": {k: v for k, v in consumer.items() if k.startswith("loads_not_compared")},
         "victims": [asdict(t) for t in truths if t.truth == "victim"][:50],
-        "engines_alive": alive, "rss_mb": rss,
+        "engines_alive": alive, "rss_mb": rss, "held_after_traffic": held,
         "producer_death": None if death is None else {
             "down_s": death[1] - death[0],
             "killed_process": truth.reconcile_producer(counts.get("producer_killed", {}),
@@ -554,6 +591,8 @@ def print_table(report: dict) -> None:
         ("producer counters", f"finished {p['finished']:.0f} = sent {p['sent']} + not sent {p['not_sent']} "
                               f"(difference {p['difference']:.0f})"),
         ("engines alive", ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in report["engines_alive"].items())),
+        ("held after traffic", "; ".join(f"{side} " + ", ".join(f"{g} {v}" for g, v in gauges.items())
+                                         for side, gauges in (report.get("held_after_traffic") or {}).items())),
         ("RSS", ", ".join(f"{side} {report['rss_mb']['wave1'][side]:.0f} MiB after wave 1, "
                           f"{growth:+.0f} MiB in wave 2" for side, growth in report["rss_growth_wave2_mb"].items())),
     ]
@@ -698,6 +737,8 @@ def main(argv=None) -> int:
             log(f"{phase} done after {time.monotonic() - t0:.0f} s")
         after = settle({side: setup.urls[side] for side in servers})
         alive = {side: m.returncode is None for side, m in servers.items()}
+        with httpx.Client(trust_env=False) as client:
+            held = held_state({side: setup.urls[side] for side in servers if alive[side]}, client)
         # The ground truth of the run, before the cost phase adds loads of its own.
         sends = truth.read_lines(work / "producer.witness.jsonl")
         consumer_lines = truth.read_lines(work / "consumer.witness.jsonl")
@@ -711,7 +752,7 @@ def main(argv=None) -> int:
     mismatched = truth.mismatched_requests(setup.logs["consumer"].read_text(errors="replace"))
     truths = truth.judge_loads(sends, consumer_lines, mismatched)
     report = build_report(args, answers, planned, counts, truths, started, alive, rss, time.monotonic() - t0,
-                          death)
+                          death, held)
     report["cost"] = cost
     (work / "report.json").write_text(json.dumps(report, indent=2))
     print_table(report)

@@ -219,6 +219,25 @@ def test_the_report_fails_without_preemption_and_with_an_unexplained_error_or_to
     assert any("clean loads" in f for f in report(1, 0, ok, min_clean=2)["failures"])
 
 
+def test_state_held_after_the_traffic_is_a_leak():
+    planned = soak.plan_traffic(1, seed=1)
+    rss = {"wave1": {"consumer": 1.0}, "wave2": {"consumer": 1.0}}
+    counts = {"consumer": {"preemptions": 1}, "producer": {}}
+    ok = [soak.Answer(0, 200, None, False, 1.0)]
+
+    def report(held):
+        return soak.build_report(SimpleNamespace(min_clean=0, proxy="project"), ok, planned, counts,
+                                 [truth.LoadTruth("cmpl-soak-0-x", "clean")], 0, {"consumer": True}, rss, 1.0,
+                                 held=held)
+
+    zero = {g: 0.0 for g in soak.HELD_GAUGES}
+    assert report({"consumer": zero, "producer": zero})["ok"]
+    bad = report({"consumer": dict(zero, loads_in_flight=2.0), "producer": zero})
+    assert not bad["ok"] and any("still held" in f and "loads_in_flight" in f for f in bad["failures"])
+    missing = report({"consumer": dict(zero, held_blocks=None), "producer": zero})
+    assert not missing["ok"] and any("held_blocks" in f for f in missing["failures"])
+
+
 def test_the_gpu_flow_command_lines(tmp_path):
     """make soak VLLM_DEVICE=cuda MODEL=...: each server on a GPU of its own,
     vLLM's GPU flags, no CPU transfer buffer, the same small KV cache and

@@ -35,6 +35,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from vllm_kvchecksum.metrics import GAUGES
 from vllm_kvchecksum.runner import checksum_step
 from vllm_kvchecksum.worker import KVChecksumWorker
 
@@ -159,8 +160,10 @@ class Side:
     block_size: int
     groups: list[tuple[list[int], object]]  # (layer numbers, spec) per group
     aggregator: KVOutputAggregator = field(default=None)
-    # Sum of the kv_checksum_stats of every SchedulerStats the steps returned.
+    # Sum of the kv_checksum_stats of every SchedulerStats the steps returned
+    # (their counts), and the last value of each gauge reported.
     reported_metrics: Counter = field(default_factory=Counter)
+    reported_gauges: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.aggregator = KVOutputAggregator(len(self.workers))
@@ -273,8 +276,14 @@ class Side:
             # (getattr: the series' prefixes before the metrics patch lack the field.)
             counts = getattr(eco.scheduler_stats, "kv_checksum_stats", None)
             if counts:
-                self.reported_metrics.update(counts)
+                # Gauges are the state now (the last value counts); the rest add up.
+                gauges = {k: v for k, v in counts.items() if k in GAUGE_KEYS}
+                self.reported_gauges.update(gauges)
+                self.reported_metrics.update({k: v for k, v in counts.items() if k not in gauges})
         return {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}
+
+
+GAUGE_KEYS = frozenset(GAUGES)
 
 
 def stats(side: Side) -> dict:

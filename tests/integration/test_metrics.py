@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import prometheus_client
 import pytest
-from pd_harness import load, make_config, make_request, make_side, prefill, prompt_of
+from pd_harness import forward_of, load, make_config, make_request, make_side, prefill, prompt_of
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.request import RequestStatus
 
 from vllm_kvchecksum import metrics
 from vllm_kvchecksum.compare import UnverifiedReason
@@ -62,6 +63,40 @@ def start_load(seed: int):
     consumer.step()
     taken(consumer)
     return consumer, req
+
+
+def test_gauges_follow_what_the_scheduler_holds():
+    producer, consumer = make_side("kv_producer", block_size=BS), make_side("kv_consumer", block_size=BS)
+    preq, params = prefill(producer, prompt_of(50, seed=2))
+    req = make_request(preq.prompt_token_ids, params=dict(params), block_size=BS)
+    consumer.scheduler.add_request(req)
+    consumer.step()
+    assert consumer.reported_gauges[metrics.LOADS_IN_FLIGHT] == 1
+    consumer.write_tokens(req.request_id, 0, req.num_computed_tokens, source=producer,
+                          source_id=preq.request_id)
+    consumer.step(finished_recving={req.request_id})
+    assert consumer.reported_gauges == {metrics.LOADS_IN_FLIGHT: 0}  # the others never moved
+    # Reported when they change, not every step.
+    consumer.reported_gauges.clear()
+    consumer.step()
+    assert consumer.reported_gauges == {}
+    # A request that ends while its load is in flight takes its load with it.
+    req = make_request(prompt_of(50, seed=3), params=dict(params), block_size=BS)
+    consumer.scheduler.add_request(req)
+    consumer.step()
+    assert consumer.reported_gauges[metrics.LOADS_IN_FLIGHT] == 1
+    consumer.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    consumer.step()
+    assert consumer.reported_gauges[metrics.LOADS_IN_FLIGHT] == 0
+    # A producer request that decodes on after its prompt's KV was checksummed.
+    req = make_request(prompt_of(50, seed=4), remote_decode=True, block_size=BS)
+    req.max_tokens = req.sampling_params.max_tokens = 3
+    producer.scheduler.add_request(req)
+    producer.step(forward=forward_of(producer, req))
+    assert producer.reported_gauges[metrics.SENDS_IN_FLIGHT] == 1
+    while not req.is_finished():
+        producer.step(forward=forward_of(producer, req))
+    assert producer.reported_gauges[metrics.SENDS_IN_FLIGHT] == 0
 
 
 def test_a_load_the_connector_failed_is_counted_not_compared():
@@ -117,6 +152,17 @@ def test_vllm_prometheus_logger_exports_the_counts(prom_logger):
     assert sample("vllm:kv_checksum_loads_unverified_total", **labels, reason="no_producer_checksums") == 1
     assert sample("vllm:kv_checksum_loads_unverified_total", **labels, reason="not_a_reason") is None
     assert sample("vllm:kv_checksum_loads_not_compared_total", **labels, reason="load_failed") == 1
+    # Gauges hold the last value reported, and a later update without them keeps it.
+    assert sample("vllm:kv_checksum_loads_in_flight", **labels) == 0
+    record({metrics.LOADS_IN_FLIGHT: 4, metrics.HELD_BLOCKS: 2, metrics.SENDS_IN_FLIGHT: 1})
+    record({metrics.LOADS_IN_FLIGHT: 1, metrics.VERIFIED: 1})
+    record({metrics.VERIFIED: 1})
+    assert sample("vllm:kv_checksum_loads_in_flight", **labels) == 1
+    assert sample("vllm:kv_checksum_held_blocks", **labels) == 2
+    assert sample("vllm:kv_checksum_sends_in_flight", **labels) == 1
+    record({metrics.LOADS_IN_FLIGHT: 0, metrics.HELD_BLOCKS: 0, metrics.SENDS_IN_FLIGHT: 0})
+    assert sample("vllm:kv_checksum_loads_in_flight", **labels) == 0
+    assert sample("vllm:kv_checksum_held_blocks", **labels) == 0
 
 
 def test_no_counters_when_checksums_are_off():

@@ -307,8 +307,11 @@ def test_sync_load_is_judged_with_its_own_steps_output(logs):
     forward_of(B, req)(out_next)
     B.update(out_n, B.run_workers(out_n))
     assert stats(B) == {} and req.num_computed_tokens == PROMPT  # not judged, not rolled back
+    # Held until its own step's update: its blocks, and the load in flight.
+    assert B.reported_gauges == {"loads_in_flight": 1, "held_blocks": PROMPT // BS + 1}
     B.update(out_next, B.run_workers(out_next))
     assert stats(B) == {"verified": 1, "offloaded_verified": 1}, logs.text
+    assert B.reported_gauges == {"loads_in_flight": 0, "held_blocks": 0}
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
