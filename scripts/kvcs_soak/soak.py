@@ -54,7 +54,7 @@ from kvcs_demo.setups import (BLOCK_SIZE, CONNECTORS, MAX_MODEL_LEN, MODES, MOON
                               make_models, mooncake_bootstrap, producer_engine_id, push_target, server_argv,
                               server_env)
 from kvcs_demo.summary import log
-from kvcs_soak import truth
+from kvcs_soak import plots, truth
 
 STARTUP_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 240.0  # an answer later than this is a hang (reported, not waited for)
@@ -381,6 +381,55 @@ def held_state(urls: dict[str, str], client: httpx.Client) -> dict[str, dict[str
         time.sleep(1.0)
 
 
+SAMPLE_S = 2.0
+
+
+class Sampler(threading.Thread):
+    """Every SAMPLE_S seconds, each server's verdict counters and gauges
+    (/metrics) and RSS: the rows of report["timeline"], for the plots.
+
+    servers: side -> Managed, read at each sample (the producer's process
+    changes when it is killed and restarted); a server that does not answer
+    gives no values for that row.
+    """
+
+    def __init__(self, urls: dict[str, str], servers: dict, t0: float):
+        super().__init__(name="soak-sampler", daemon=True)
+        self.urls, self.servers, self.t0 = urls, servers, t0
+        self.rows: list[dict] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(SAMPLE_S):
+            row: dict = {"t": round(time.monotonic() - self.t0, 1)}
+            for side, url in self.urls.items():
+                try:
+                    samples = prom.scrape(url, timeout=5)
+                except prom.ScrapeError:
+                    row[side] = None
+                    continue
+                values = {k: prom.counter(samples, f"vllm:kv_checksum_{k}") for k in (*truth.LOAD_VERDICTS,
+                                                                                       *HELD_GAUGES)}
+                values["rss_mb"] = round(rss_mb(self.servers[side].pgid), 1)
+                row[side] = values
+            self.rows.append(row)
+
+    def stop(self) -> list[dict]:
+        self._stop_event.set()
+        self.join(timeout=30)
+        return self.rows
+
+
+def latencies(answers: list[Answer], cost: dict | None) -> dict[str, list[float]]:
+    """Latency (s) samples for the plots: answered 200 against failed by a mismatch, and cost's on and off."""
+    out = {"answered 200": [a.latency_s for a in answers if a.status == 200],
+           "failed by a mismatch (503)": [a.latency_s for a in answers
+                                          if a.status == 503 and "kv_checksum_mismatch" in (a.error or "")]}
+    for side, values in ((cost or {}).get("latencies_s") or {}).items():
+        out[f"cost run, checksums {side}"] = values
+    return out
+
+
 def settle(urls: dict[str, str]) -> dict[str, dict[str, float]]:
     """Counters once they stopped moving for SETTLE_S (bounded by SETTLE_MAX_S)."""
     last, since, deadline = None, time.monotonic(), time.monotonic() + SETTLE_MAX_S
@@ -456,6 +505,7 @@ def measure_cost(args, group: ProcessGroup, setup: Setup, servers: dict, proxy, 
             got[side] += run_traffic(urls[side], part, args.concurrency)
             wall[side] += time.monotonic() - t
     out = {side: latency_summary(got[side], wall[side]) for side in ("on", "off")}
+    out["latencies_s"] = {side: [a.latency_s for a in got[side] if a.status == 200] for side in ("on", "off")}
     if out["on"].get("ok") and out["off"].get("ok"):
         out["ratios"] = {k: out["on"][k] / out["off"][k] for k in ("p50_ms", "p99_ms", "throughput_rps")}
     log(f"cost under load ({args.cost} requests each, {args.concurrency} in flight): {out}")
@@ -703,6 +753,8 @@ def main(argv=None) -> int:
             f"(logs in {work})")
         before = {side: scrape_counts(setup.urls[side]) for side in servers}
         rss = {"start": {side: rss_mb(m.pgid) for side, m in servers.items()}}
+        sampler = Sampler({side: setup.urls[side] for side in servers}, servers, time.monotonic())
+        sampler.start()
         answers, first, death, producer_lost = [], 0, None, {}
         phases = PHASES_WITH_DEATH if args.kill_producer else PHASES
         for phase, share, race in phases:
@@ -739,6 +791,7 @@ def main(argv=None) -> int:
         alive = {side: m.returncode is None for side, m in servers.items()}
         with httpx.Client(trust_env=False) as client:
             held = held_state({side: setup.urls[side] for side in servers if alive[side]}, client)
+        timeline = sampler.stop()
         # The ground truth of the run, before the cost phase adds loads of its own.
         sends = truth.read_lines(work / "producer.witness.jsonl")
         consumer_lines = truth.read_lines(work / "consumer.witness.jsonl")
@@ -754,9 +807,15 @@ def main(argv=None) -> int:
     report = build_report(args, answers, planned, counts, truths, started, alive, rss, time.monotonic() - t0,
                           death, held)
     report["cost"] = cost
+    report["timeline"] = timeline
+    report["latencies"] = latencies(answers, cost)
     (work / "report.json").write_text(json.dumps(report, indent=2))
     print_table(report)
     log(f"report: {work / 'report.json'}")
+    try:
+        log("plots: " + ", ".join(str(p) for p in plots.write_plots(report, work)))
+    except Exception as exc:  # the pictures never fail the run
+        log(f"plots not drawn: {type(exc).__name__}: {exc}")
     return 0 if report["ok"] else 1
 
 

@@ -48,3 +48,16 @@ def test_no_process_is_left(soak):
     _, _, out = soak
     groups = json.loads((out / "process_groups.json").read_text()).values()
     assert processes_left(groups) == []
+
+
+def test_nothing_is_held_after_the_traffic_and_the_run_is_pictured(soak):
+    _, report, out = soak
+    held = report["held_after_traffic"]
+    assert set(held) == {"producer", "consumer"}
+    assert all(v == 0 for gauges in held.values() for v in gauges.values()), held
+    # The sampler saw the run: loads in flight on the consumer at some point, verdicts growing.
+    timeline = [row for row in report["timeline"] if row.get("consumer")]
+    assert timeline and max(row["consumer"]["loads_in_flight"] for row in timeline) > 0
+    assert timeline[-1]["consumer"]["loads_verified"] > timeline[0]["consumer"]["loads_verified"]
+    for name in ("soak-verdicts.png", "soak-held.png", "soak-latency.png"):
+        assert (out / name).stat().st_size > 1000
