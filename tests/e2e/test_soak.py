@@ -55,9 +55,11 @@ def test_nothing_is_held_after_the_traffic_and_the_run_is_pictured(soak):
     held = report["held_after_traffic"]
     assert set(held) == {"producer", "consumer"}
     assert all(v == 0 for gauges in held.values() for v in gauges.values()), held
-    # The sampler saw the run: loads in flight on the consumer at some point, verdicts growing.
+    # The sampler saw the run (its gauges every 2 s; whether one catches a
+    # load in flight depends on the machine's speed, so that is not asserted).
     timeline = [row for row in report["timeline"] if row.get("consumer")]
-    assert timeline and max(row["consumer"]["loads_in_flight"] for row in timeline) > 0
+    assert len(timeline) >= 2
     assert timeline[-1]["consumer"]["loads_verified"] > timeline[0]["consumer"]["loads_verified"]
+    assert all(row["consumer"]["rss_mb"] > 0 for row in timeline)
     for name in ("soak-verdicts.png", "soak-held.png", "soak-latency.png"):
         assert (out / name).stat().st_size > 1000
