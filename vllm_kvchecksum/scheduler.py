@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvchecksum.blocks import GroupLayout, group_blocks, request_blocks
 from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY, KVChecksumCarrier
-from vllm_kvchecksum import metrics
+from vllm_kvchecksum import incident, metrics
 from vllm_kvchecksum.compare import CheckStatus, LoadVerdict, UnverifiedReason, compare_load, sum_producer
 from vllm_kvchecksum.offload import OFFLOADED_SOURCE, compare_offloaded
 from vllm_kvchecksum.payload import KVChecksumPayload, max_encoded_size, max_packed_size
@@ -222,6 +223,11 @@ class _Pending:
     # whether its request ended before that (judged, never failed).
     held: dict[int, tuple[int, ...]] = field(default_factory=dict)
     ended: bool = False
+    # Consumer, P/D: the producer's request and engine as the load names
+    # them (bounded strings from kv_transfer_params), and the carrier, for
+    # the incident line of a mismatch.
+    remote: tuple[str | None, str | None] = (None, None)
+    carrier: str | None = None
 
 
 class KVChecksumScheduler:
@@ -232,7 +238,10 @@ class KVChecksumScheduler:
         kv = vllm_config.kv_transfer_config
         pc = vllm_config.parallel_config
         self.fail_closed = bool(kv.kv_checksum_fail_closed)
+        self.engine_id = kv.engine_id
         self.connector = connector
+        # As the operator configured it (kv_transfer_config.kv_connector).
+        self.connector_name = kv.kv_connector or type(connector).__name__
         self.tp_size = pc.tensor_parallel_size
         self.num_workers = pc.tensor_parallel_size * pc.pipeline_parallel_size
         self.null_block_id = null_block_id
@@ -361,7 +370,9 @@ class KVChecksumScheduler:
         blocks = KVChecksumBlocks(num_tokens, request_blocks(block_ids, self.layouts, num_local_tokens,
                                                              num_tokens, self.null_block_id))
         pending = _Pending(blocks, request_tokens=request.num_tokens,
-                           producer_tp_size=self._producer_tp_size(request))
+                           producer_tp_size=self._producer_tp_size(request),
+                           remote=incident.remote_ids(request.kv_transfer_params),
+                           carrier=getattr(carrier, "value", str(carrier)))
         if carrier is KVChecksumCarrier.CONNECTOR:
             # The connector delivers them to the workers with the load (collect).
             pending.awaiting_connector = True
@@ -823,9 +834,24 @@ class KVChecksumScheduler:
             self.stats[f"offloaded_{verdict.status.value}"] += 1
         self._count(verdict)
         self._log(verdict)
+        if verdict.status is CheckStatus.MISMATCH:
+            self._incident(pending, verdict)
         if pending.blocks.offloaded and verdict.status is not CheckStatus.VERIFIED:
             self._offloaded_failed(pending, verdict)
         return verdict
+
+    def _incident(self, pending: _Pending, verdict: LoadVerdict) -> None:
+        """Write the mismatch's incident line (incident.py): what a join with the producer's log needs."""
+        expected = pending.expected
+        incident.emit(incident.incident_record(
+            request_id=verdict.req_id, verdict=verdict.status.value, source=verdict.source,
+            groups=verdict.mismatched_blocks, remote_request_id=pending.remote[0],
+            remote_engine_id=pending.remote[1], engine_id=self.engine_id, connector=self.connector_name,
+            carrier=pending.carrier, tp_size=self.tp_size, pp_size=self.num_workers // max(self.tp_size, 1),
+            block_sizes={layout.group_id: layout.block_size for layout in self.layouts},
+            producer_tp_size=None if expected is None else expected.producer_tp_size,
+            producer_block_sizes=None if expected is None else {g: e.block_size for g, e in expected.groups.items()},
+            now=time.time()))
 
     def _failed_positions(self, pending: _Pending, verdict: LoadVerdict) -> dict[int, tuple[int, ...]] | None:
         """The block positions of an offloaded load that failed, per group, or None to keep them.

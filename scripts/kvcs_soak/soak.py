@@ -41,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +56,7 @@ from kvcs_demo.setups import (BLOCK_SIZE, CONNECTORS, MAX_MODEL_LEN, MODES, MOON
                               server_env)
 from kvcs_demo.summary import log
 from kvcs_soak import plots, truth
+from vllm_kvchecksum import incident
 
 STARTUP_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 240.0  # an answer later than this is a hang (reported, not waited for)
@@ -533,6 +535,29 @@ def kill_and_restart(group: ProcessGroup, servers: dict, spec: ServerSpec) -> tu
     return killed_at, time.monotonic()
 
 
+NO_INCIDENT = "no incident line"
+
+
+def where_of_victims(truths, consumer_log: Path, producer_log: Path) -> dict[str, int]:
+    """Where each caught victim's KV went bad, joined from both servers' logs (vllm_kvchecksum.incident)."""
+    places = {inc.get("request_id"): place for inc, place in incident.attribute(
+        [consumer_log.read_text(errors="replace")], [producer_log.read_text(errors="replace")])}
+    return dict(Counter(places.get(t.request_id, NO_INCIDENT) for t in truths
+                        if t.truth == "victim" and t.verdict == "mismatch"))
+
+
+def judge_where(report: dict, mode: str) -> None:
+    """Every caught victim wrote an incident line; in pull mode, every one is
+    placed on the producer: a read of blocks it had released (its lease ran
+    out), which is how the soak's race makes victims."""
+    where = report["where"]
+    if where.get(NO_INCIDENT):
+        report["failures"].append(f"{where[NO_INCIDENT]} caught victims wrote no incident line")
+    elif mode == "pull" and set(where) - {incident.RELEASED_BEFORE_READ}:
+        report["failures"].append(f"victims not attributed to the producer's release before the read: {where}")
+    report["ok"] = not report["failures"]
+
+
 def build_report(args, answers, planned, counts, truths, started, alive, rss, wall, death=None,
                  held=None) -> dict:
     consumer, producer = counts["consumer"], counts["producer"]
@@ -635,6 +660,8 @@ def print_table(report: dict) -> None:
             f" ({len(d['victims_ended_unjudged'])} more ended before their verdict: clients hung up)"
             if d["victims_ended_unjudged"] else "")),
         ("false mismatches", f"{len(d['false_alarms'])} on {d['clean']} clean loads"),
+        ("where (victims)", ", ".join(f"{n} {k}" for k, n in sorted((report.get("where") or {}).items()))
+         or "no victim caught"),
         ("consumer counters", f"started {c['loads_started']} = verified {c['loads_verified']} + mismatched "
                               f"{c['loads_mismatched']} + unverified {c['loads_unverified']} + not compared "
                               f"{c['loads_not_compared']} (difference {c['difference']})"),
@@ -806,6 +833,8 @@ def main(argv=None) -> int:
     truths = truth.judge_loads(sends, consumer_lines, mismatched)
     report = build_report(args, answers, planned, counts, truths, started, alive, rss, time.monotonic() - t0,
                           death, held)
+    report["where"] = where_of_victims(truths, setup.logs["consumer"], setup.logs["producer"])
+    judge_where(report, args.mode)
     report["cost"] = cost
     report["timeline"] = timeline
     report["latencies"] = latencies(answers, cost)

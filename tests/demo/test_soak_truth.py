@@ -284,3 +284,32 @@ def test_the_kv_cache_pool_grows_with_the_models_groups(tmp_path):
     assert soak.parse_args(["--out", str(tmp_path)]).blocks == 24
     assert soak.parse_args(["--model", "gemma2", "--out", str(tmp_path)]).blocks == 48
     assert soak.parse_args(["--model", "gemma2", "--blocks", "30", "--out", str(tmp_path)]).blocks == 30
+
+
+def test_where_each_caught_victim_happened(tmp_path):
+    from vllm_kvchecksum import incident
+
+    record = dict(request_id="cmpl-soak-1-x", verdict="mismatch", source="producer", groups={0: [2]},
+                  remote_request_id="p-1", remote_engine_id="e", engine_id="c", connector="NixlConnector",
+                  carrier="kv_transfer_params", tp_size=1, pp_size=1, block_sizes={0: 32}, producer_tp_size=1,
+                  producer_block_sizes={0: 32}, now=0.0)
+    consumer, producer = tmp_path / "consumer.log", tmp_path / "producer.log"
+    consumer.write_text("\n".join(incident.INCIDENT_MARK + json.dumps(incident.incident_record(**dict(record, **c)))
+                                  for c in ({}, {"request_id": "cmpl-soak-2-x", "remote_request_id": "p-2"})))
+    producer.write_text("Potentially invalid KV blocks for unrecognized request p-1 were retrieved by a decode worker")
+    truths = [truth.LoadTruth("cmpl-soak-1-x", "victim", verdict="mismatch"),
+              truth.LoadTruth("cmpl-soak-2-x", "victim", verdict="mismatch"),
+              truth.LoadTruth("cmpl-soak-3-x", "victim", verdict="mismatch"),
+              truth.LoadTruth("cmpl-soak-4-x", "clean")]
+    where = soak.where_of_victims(truths, consumer, producer)
+    assert where == {incident.RELEASED_BEFORE_READ: 1, incident.NOT_RECHECKED: 1, soak.NO_INCIDENT: 1}
+
+    def judged(where, mode):
+        report = {"where": where, "failures": [], "ok": True}
+        soak.judge_where(report, mode)
+        return report
+
+    assert judged({incident.RELEASED_BEFORE_READ: 3}, "pull")["ok"]
+    assert not judged(where, "push")["ok"]  # a victim without an incident line, in any mode
+    assert not judged({incident.RELEASED_BEFORE_READ: 1, incident.NOT_RECHECKED: 1}, "pull")["ok"]
+    assert judged({incident.NOT_RECHECKED: 2}, "push")["ok"]

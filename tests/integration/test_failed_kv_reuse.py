@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 
+import pd_harness
 import pytest
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from offload_harness import (corrupt_store_kv, empty_store, host_connector, make_offload_side,  # noqa: F401
                              perform_loads, store_prompt)
@@ -84,6 +86,58 @@ def test_several_kv_cache_groups_recompute_the_whole_prompt():
     preq, params = prefill(P, prompt_of(PROMPT))
     result = load(C, P, preq, params, tamper=lambda req: C.corrupt(req.request_id, group=0, position=3))
     assert stats(C) == {"mismatch": 1}
+    assert result.next_scheduled == PROMPT
+    assert rollbacks(C) == {"whole_prompt": 1, "tokens": PROMPT}
+
+
+def test_a_sliding_window_group_alone_recomputes_the_whole_prompt(monkeypatch):
+    # The hybrid manager on, one SlidingWindowSpec group: the connector sends
+    # only the window's blocks, so the blocks before a bad one were never
+    # transferred, and recomputing from it would attend to KV never loaded.
+    # (Found by an outside mutation round: pd_harness otherwise runs with the
+    # hybrid manager off, where window_blocks is 0.)
+    monkeypatch.setattr(pd_harness, "FullAttentionSpec",
+                        lambda **kw: SlidingWindowSpec(**{**kw, "sliding_window": 48}))
+    plain = pd_harness.make_config
+
+    def hybrid_on(*args, **kw):
+        config = plain(*args, **kw)
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        return config
+
+    monkeypatch.setattr(pd_harness, "make_config", hybrid_on)
+    P = make_side("kv_producer", fail_closed=True)
+    C = make_side("kv_consumer", fail_closed=True, policy="recompute")
+    assert C.scheduler.kv_checksum.layouts[0].window_blocks > 0 and C.scheduler.kv_checksum.num_kv_cache_groups == 1
+    preq, params = prefill(P, prompt_of(PROMPT))
+    result = load(C, P, preq, params, tamper=lambda req: C.corrupt(req.request_id, position=2))
+    assert stats(C) == {"mismatch": 1}
+    assert result.next_scheduled == PROMPT
+    assert rollbacks(C) == {"whole_prompt": 1, "tokens": PROMPT}
+
+
+def test_a_group_left_out_on_both_sides_recomputes_the_whole_prompt(monkeypatch):
+    # Two KV cache groups, one left out by the block rule on both sides (a
+    # null block after a real one): the load has one compared group, but
+    # vLLM's rollback covers both, and the other was never compared.
+    def with_hole(side):
+        real = side.scheduler.kv_cache_manager.get_block_ids
+
+        def get_block_ids(request_id):
+            ids = real(request_id)
+            if len(ids[1]) >= 5:
+                ids = (ids[0], ids[1][:3] + [0] + ids[1][4:])
+            return ids
+
+        monkeypatch.setattr(side.scheduler.kv_cache_manager, "get_block_ids", get_block_ids)
+
+    P = make_side("kv_producer", sliding_window=48, fail_closed=True)
+    C = make_side("kv_consumer", sliding_window=48, fail_closed=True, policy="recompute")
+    with_hole(P)
+    with_hole(C)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    result = load(C, P, preq, params, tamper=lambda req: C.corrupt(req.request_id, group=0, position=2))
+    assert stats(C) == {"mismatch": 1, "groups_left_out": 1}
     assert result.next_scheduled == PROMPT
     assert rollbacks(C) == {"whole_prompt": 1, "tokens": PROMPT}
 
@@ -159,6 +213,54 @@ def test_fail_open_clean_load_is_cached_whole(make):
     assert stats(C) == {"verified": 1}
     assert result.request.max_cached_tokens is None
     assert local_hit(C, prompt) == 64
+
+
+def test_fail_open_unverified_load_is_cached_whole():
+    # Nothing says which block is bad: cached as usual (a limit of 0 here
+    # would keep every unverified request out of the prefix cache).
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    params.pop("kv_checksums")
+    result = load(C, P, preq, params)
+    assert stats(C) == {"unverified": 1}
+    assert result.request.max_cached_tokens is None
+    assert local_hit(C, prompt_of(PROMPT)) == 64
+
+
+def test_fail_open_limit_is_the_first_bad_block_over_groups():
+    P = make_side("kv_producer", sliding_window=48)
+    C = make_side("kv_consumer", sliding_window=48)
+    preq, params = prefill(P, prompt_of(PROMPT))
+
+    def corrupt(req):
+        C.corrupt(req.request_id, group=0, position=3)
+        C.corrupt(req.request_id, group=1, position=2)
+
+    result = load(C, P, preq, params, tamper=corrupt)
+    assert stats(C) == {"mismatch": 1}
+    assert result.request.max_cached_tokens == 2 * BS
+    assert local_hit(C, prompt_of(PROMPT)) <= 2 * BS
+
+
+def test_blocks_from_covers_every_group():
+    C = make_side("kv_consumer", sliding_window=48)
+    assert C.scheduler.kv_checksum.blocks_from(32, ([1, 2, 3, 4, 5], [0, 6, 7, 8, 9])) == {3, 4, 5, 7, 8, 9}
+
+
+def test_a_later_limit_never_raises_an_earlier_one():
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+
+    def tamper(req):
+        req.max_cached_tokens = BS  # as left by an earlier failed load of this request
+        C.corrupt(req.request_id, position=2)
+
+    result = load(C, P, preq, params, tamper=tamper)
+    assert stats(C) == {"mismatch": 1}
+    assert result.request.max_cached_tokens == BS
+    assert local_hit(C, prompt_of(PROMPT)) == BS
 
 
 @pytest.mark.parametrize("batch_queue", [False, True], ids=["scheduler", "batch-queue"])

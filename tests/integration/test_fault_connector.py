@@ -556,6 +556,14 @@ def test_a_configured_position_is_the_one_hit(kind, position, worker, tmp_path):
     assert record["skipped"] is None and record["positions"][0] == position, record
 
 
+def test_a_configured_position_leaves_kinds_without_one_alone(worker, tmp_path):
+    conn, caches = worker({"position": 2})
+    bind_plans(conn, {"r1": plan_of("change_tail", 1, block_ids=(5, 7, 9, 11))})
+    finish(conn, finished={"r1"})
+    [record] = read_records(tmp_path / "injections.jsonl")
+    assert record["skipped"] is None, record
+
+
 def test_a_configured_position_the_load_lacks_is_skipped(worker, tmp_path):
     conn, caches = worker({"position": 0})
     before = raw(caches)

@@ -165,6 +165,19 @@ def test_vllm_prometheus_logger_exports_the_counts(prom_logger):
     assert sample("vllm:kv_checksum_held_blocks", **labels) == 0
 
 
+def test_rollback_counters_reach_prometheus(prom_logger):
+    logger, model = prom_logger
+    labels = {"model_name": model, "engine": "0"}
+    for scope in ("from_first_bad_block", "whole_prompt"):
+        assert sample("vllm:kv_checksum_loads_recomputed_total", **labels, rollback=scope) == 0
+    logger.record(scheduler_stats=SchedulerStats(kv_checksum_stats={
+        "loads_recomputed/whole_prompt": 1, "loads_recomputed/from_first_bad_block": 2, "recomputed_tokens": 90}),
+        iteration_stats=None)
+    assert sample("vllm:kv_checksum_loads_recomputed_total", **labels, rollback="whole_prompt") == 1
+    assert sample("vllm:kv_checksum_loads_recomputed_total", **labels, rollback="from_first_bad_block") == 2
+    assert sample("vllm:kv_checksum_recomputed_tokens_total", **labels) == 90
+
+
 def test_no_counters_when_checksums_are_off():
     config = make_config("kv_consumer", 1, 1, BS, enable=False)
     PrometheusStatLogger(config)

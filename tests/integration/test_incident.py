@@ -1,0 +1,89 @@
+"""Incident lines on real schedulers, and the join that says where a mismatch happened.
+
+A mismatched load writes one JSON incident line (vllm_kvchecksum.incident)
+naming the consumer's request, the producer's request and engine as the
+load named them, the connector, carrier, sizes and positions; a verified or
+unverified load writes none. The joiner reads them with a producer's log.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pd_harness import load, make_side, prefill, prompt_of, stats
+
+from vllm_kvchecksum import incident
+
+PROMPT = 77
+
+
+def incidents(caplog) -> list[dict]:
+    return incident.read_incidents("\n".join(r.getMessage() for r in caplog.records
+                                             if r.name == incident.INCIDENT_LOGGER))
+
+
+def test_a_mismatch_writes_one_incident_line(caplog):
+    P = make_side("kv_producer", fail_closed=True)
+    C = make_side("kv_consumer", fail_closed=True)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    result = load(C, P, preq, params, tamper=lambda req: (C.corrupt(req.request_id, position=1),
+                                                            C.corrupt(req.request_id, position=3)))
+    assert stats(C) == {"mismatch": 1}
+    [line] = incidents(caplog)
+    assert line["side"] == "consumer" and line["verdict"] == "mismatch" and line["source"] == "producer"
+    assert line["request_id"] == result.request.request_id
+    assert line["remote_request_id"] == params["remote_request_id"] == preq.request_id
+    assert line["remote_engine_id"] == params["remote_engine_id"]
+    assert line["engine_id"] == C.scheduler.vllm_config.kv_transfer_config.engine_id
+    assert line["connector"] == "NixlConnector" and line["carrier"] == "kv_transfer_params"
+    assert (line["tp_size"], line["pp_size"], line["producer_tp_size"]) == (1, 1, 1)
+    assert line["block_sizes"] == {"0": 16} and line["producer_block_sizes"] == {"0": 16}
+    assert line["groups"] == {"0": [1, 3]}
+
+
+def test_verified_and_unverified_loads_write_none(caplog):
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params)
+    preq, params = prefill(P, prompt_of(PROMPT, seed=2))
+    params.pop("kv_checksums")
+    load(C, P, preq, params)
+    assert stats(C) == {"verified": 1, "unverified": 1}
+    assert incidents(caplog) == []
+
+
+def test_ids_from_the_client_are_bounded(caplog):
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    params = dict(params, remote_request_id="r" * 100_000, remote_engine_id=12345)
+    load(C, P, preq, params, tamper=lambda req: C.corrupt(req.request_id, position=0))
+    [line] = incidents(caplog)
+    assert line["remote_request_id"] == "r" * incident.MAX_ID_CHARS and line["remote_engine_id"] is None
+
+
+def test_the_join_names_a_read_after_release_on_the_producer(caplog, tmp_path, capsys):
+    P = make_side("kv_producer")
+    C = make_side("kv_consumer")
+    reads = []
+    for seed in (1, 2):
+        preq, params = prefill(P, prompt_of(PROMPT, seed=seed))
+        load(C, P, preq, params, tamper=lambda req: C.corrupt(req.request_id, position=2))
+        reads.append(preq.request_id)
+    consumer_log = tmp_path / "consumer.log"
+    consumer_log.write_text("\n".join(f"(EngineCore pid=1) ERROR 12-05 01:00:00 [scheduler.py:1] {r.getMessage()}"
+                                      for r in caplog.records if r.name == incident.INCIDENT_LOGGER))
+    producer_log = tmp_path / "producer.log"
+    # vLLM NIXL's line when a decode worker's read notification names a request it released.
+    producer_log.write_text(f"(EngineCore pid=2) ERROR 12-05 01:00:00 [pull_worker.py:667] Potentially invalid KV "
+                            f"blocks for unrecognized request {reads[0]} were retrieved by a decode worker. They "
+                            f"may have expired.\n")
+    rows = incident.attribute([consumer_log.read_text()], [producer_log.read_text()])
+    assert [place for _, place in rows] == [incident.RELEASED_BEFORE_READ, incident.NOT_RECHECKED]
+    assert incident.where_main(["--consumer", str(consumer_log), "--producer", str(producer_log)]) == 0
+    out = capsys.readouterr().out
+    assert "2 mismatches: 1 producer not re-checked, 1 released before the read" in out
+    incident.where_main(["--consumer", str(consumer_log), "--json"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["where"] for x in lines] == [incident.NOT_RECHECKED] * 2
