@@ -138,46 +138,44 @@ def counts(url: str) -> tuple[dict, dict]:
     return checksum_counts(url), vllm_counts(url)
 
 
-def run_recompute(client: httpx.Client, s: Setup, prompt: list[int], position: int) -> dict:
+def load_once(client: httpx.Client, s: Setup, prompt: list[int], *, flip: bool, settled_when) -> dict:
+    """One P/D request (block K flipped on its load if `flip`): its answer and the consumer's checksum deltas."""
     url = s.urls["consumer"]
+    if flip:
+        set_faults(s, "flip_bit")
     before = counts(url)
-    status, reference, error = pd_request(client, s, prompt)
-    clean, _ = settled(url, before, lambda c, v: c.get("loads_verified"))
-    reset_prefix_cache(client, url)
-    set_faults(s, "flip_bit")
-    before = counts(url)
-    status_bad, text_bad, error_bad = pd_request(client, s, prompt)
+    status, text, error = pd_request(client, s, prompt)
     set_faults(s, None)
-    bad, _ = settled(url, before, lambda c, v: c.get("recomputed_tokens"))
-    return {"position": position, "clean": {"status": status, "checksums": clean, "error": error},
-            "reference": reference,
-            "flipped": {"status": status_bad, "text": text_bad, "error": error_bad, "checksums": bad},
-            "recomputed_tokens": bad.get("recomputed_tokens", 0),
+    checksums, _ = settled(url, before, settled_when)
+    return {"status": status, "text": text, "error": error, "checksums": checksums}
+
+
+def local_once(client: httpx.Client, url: str, prompt: list[int]) -> dict:
+    """The same prompt as a local request (no P/D): its answer and vLLM's prefix-cache deltas."""
+    before = counts(url)
+    status, body = complete(client, url, prompt)
+    _, hits = settled(url, before, lambda c, v: v.get("prefix_cache_queries"))
+    return {"status": status, "text": text_of(body), "vllm": hits}
+
+
+def run_recompute(client: httpx.Client, s: Setup, prompt: list[int], position: int) -> dict:
+    clean = load_once(client, s, prompt, flip=False, settled_when=lambda c, v: c.get("loads_verified"))
+    reset_prefix_cache(client, s.urls["consumer"])
+    flipped = load_once(client, s, prompt, flip=True, settled_when=lambda c, v: c.get("recomputed_tokens"))
+    return {"position": position, "clean": clean, "reference": clean["text"], "flipped": flipped,
+            "recomputed_tokens": flipped["checksums"].get("recomputed_tokens", 0),
             # vLLM's rollback of any failed load: to token 0, the whole load.
             "whole_prompt_tokens": PROMPT_TOKENS}
 
 
 def run_open(client: httpx.Client, s: Setup, prompt: list[int], position: int) -> dict:
     url = s.urls["consumer"]
-    before = counts(url)
-    status, reference, error = pd_request(client, s, prompt)
-    clean, _ = settled(url, before, lambda c, v: c.get("loads_verified"))
-    before = counts(url)
-    _, body = complete(client, url, prompt)
-    _, hits_clean = settled(url, before, lambda c, v: v.get("prefix_cache_queries"))
+    clean = load_once(client, s, prompt, flip=False, settled_when=lambda c, v: c.get("loads_verified"))
+    local_after_clean = local_once(client, url, prompt)
     reset_prefix_cache(client, url)
-    set_faults(s, "flip_bit")
-    before = counts(url)
-    status_bad, text_bad, error_bad = pd_request(client, s, prompt)
-    set_faults(s, None)
-    bad, _ = settled(url, before, lambda c, v: c.get("loads_mismatched"))
-    before = counts(url)
-    status_after, body_after = complete(client, url, prompt)
-    _, hits_after = settled(url, before, lambda c, v: v.get("prefix_cache_queries"))
-    return {"position": position, "clean": {"status": status, "checksums": clean, "error": error},
-            "reference": reference, "local_after_clean": {"text": text_of(body), "vllm": hits_clean},
-            "flipped": {"status": status_bad, "text": text_bad, "error": error_bad, "checksums": bad},
-            "local_after_flip": {"status": status_after, "text": text_of(body_after), "vllm": hits_after}}
+    flipped = load_once(client, s, prompt, flip=True, settled_when=lambda c, v: c.get("loads_mismatched"))
+    return {"position": position, "clean": clean, "reference": clean["text"], "local_after_clean": local_after_clean,
+            "flipped": flipped, "local_after_flip": local_once(client, url, prompt)}
 
 
 def judge(recompute: dict, open_: dict, position: int) -> list[str]:

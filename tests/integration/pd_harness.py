@@ -365,6 +365,21 @@ def make_side(role: str, tp: int = 1, pp: int = 1, block_size: int = 16, *, slid
     return side
 
 
+def with_block_hole(side: Side, monkeypatch) -> None:
+    """Give the side's second KV cache group a null block after a real one
+    (position 3 of requests with 5 or more blocks), as a block table can
+    show mid-window: the block rule leaves that group out on both sides."""
+    real = side.scheduler.kv_cache_manager.get_block_ids
+
+    def get_block_ids(request_id):
+        ids = real(request_id)
+        if len(ids[1]) >= 5:
+            ids = (ids[0], ids[1][:3] + [0] + ids[1][4:])
+        return ids
+
+    monkeypatch.setattr(side.scheduler.kv_cache_manager, "get_block_ids", get_block_ids)
+
+
 def make_request(prompt: list[int], *, remote_decode: bool = False, params: dict | None = None,
                  block_size: int = 16, max_tokens: int = 4) -> Request:
     n = next(_ids)

@@ -8,7 +8,7 @@ compared: a corrupted early block belongs to the full-attention layers too.
 
 from __future__ import annotations
 
-from pd_harness import load, make_side, prefill, prompt_of, stats
+from pd_harness import load, make_side, prefill, prompt_of, stats, with_block_hole
 
 PROMPT = 77  # 5 blocks of 16; a 32-token window would clip to the last 3
 
@@ -67,21 +67,10 @@ def test_window_loads_with_larger_consumer_blocks_verify():
 def test_group_left_out_on_both_sides_is_counted_and_logged(monkeypatch, logs):
     # A null block after a real one in the sliding-window group (as a block
     # table can show mid-window): the rule leaves that group out on both sides.
-    def with_hole(side):
-        real = side.scheduler.kv_cache_manager.get_block_ids
-
-        def get_block_ids(request_id):
-            ids = real(request_id)
-            if len(ids[1]) >= 5:
-                ids = (ids[0], ids[1][:3] + [0] + ids[1][4:])
-            return ids
-
-        monkeypatch.setattr(side.scheduler.kv_cache_manager, "get_block_ids", get_block_ids)
-
     P = make_side("kv_producer", sliding_window=48, fail_closed=True)
     C = make_side("kv_consumer", sliding_window=48, fail_closed=True)
-    with_hole(P)
-    with_hole(C)
+    with_block_hole(P, monkeypatch)
+    with_block_hole(C, monkeypatch)
     preq, params = prefill(P, prompt_of(PROMPT))
     load(C, P, preq, params)
     assert stats(C) == {"verified": 1, "groups_left_out": 1}

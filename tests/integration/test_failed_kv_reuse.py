@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import SlidingWindowSpec
 from offload_harness import (corrupt_store_kv, empty_store, host_connector, make_offload_side,  # noqa: F401
                              perform_loads, store_prompt)
 from pd_harness import (CONNECTORS, forward_of, load, make_request, make_side, prefill, prompt_of, run_local,
-                        series_lacks, stats)
+                        series_lacks, stats, with_block_hole)
 from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
 
 PROMPT = 77  # 4 full 16-token blocks and a partial one
@@ -120,21 +120,10 @@ def test_a_group_left_out_on_both_sides_recomputes_the_whole_prompt(monkeypatch)
     # Two KV cache groups, one left out by the block rule on both sides (a
     # null block after a real one): the load has one compared group, but
     # vLLM's rollback covers both, and the other was never compared.
-    def with_hole(side):
-        real = side.scheduler.kv_cache_manager.get_block_ids
-
-        def get_block_ids(request_id):
-            ids = real(request_id)
-            if len(ids[1]) >= 5:
-                ids = (ids[0], ids[1][:3] + [0] + ids[1][4:])
-            return ids
-
-        monkeypatch.setattr(side.scheduler.kv_cache_manager, "get_block_ids", get_block_ids)
-
     P = make_side("kv_producer", sliding_window=48, fail_closed=True)
     C = make_side("kv_consumer", sliding_window=48, fail_closed=True, policy="recompute")
-    with_hole(P)
-    with_hole(C)
+    with_block_hole(P, monkeypatch)
+    with_block_hole(C, monkeypatch)
     preq, params = prefill(P, prompt_of(PROMPT))
     result = load(C, P, preq, params, tamper=lambda req: C.corrupt(req.request_id, group=0, position=2))
     assert stats(C) == {"mismatch": 1, "groups_left_out": 1}
