@@ -515,11 +515,7 @@ class KVChecksumScheduler:
             for gid, positions in failed.items():
                 start = pending.blocks.groups[gid].start
                 unusable.update(pending.held[gid][min(positions, default=start) - start:])
-            if pending.ended:
-                continue
-            if not self.fail_closed:
-                if verdict.status is CheckStatus.MISMATCH:
-                    self._cache_limits[rid] = self._first_bad_token(verdict)
+            if not self.fail_closed or pending.ended:
                 continue
             reasons[rid] = client_reason(verdict)
             for gid, positions in failed.items():
@@ -710,8 +706,6 @@ class KVChecksumScheduler:
             if self.fail_closed:
                 failed[rid] = client_reason(verdict)
                 self._failed_prefix[rid] = (self._verified_prefix(pending, verdict), pending.blocks.num_tokens)
-            elif verdict.status is CheckStatus.MISMATCH:
-                self._cache_limits[rid] = self._first_bad_token(verdict)
         return failed
 
     def recompute_from(self, req_id: str) -> int:
@@ -791,8 +785,10 @@ class KVChecksumScheduler:
         return out
 
     def _judge(self, rid: str, pending: _Pending) -> LoadVerdict | None:
-        """Compare one finished load, count and log its verdict, and let the
-        connector drop offloaded KV that failed.
+        """Compare one finished load, count and log its verdict, write the
+        incident line of a mismatch, keep a mismatch used under fail-open
+        out of the prefix cache, and let the connector drop offloaded KV
+        that failed.
 
         None: an offloaded load none of whose groups the workers keep entries
         for (fixed at startup): not checked, and never failed, since every
@@ -836,6 +832,10 @@ class KVChecksumScheduler:
         self._log(verdict)
         if verdict.status is CheckStatus.MISMATCH:
             self._incident(pending, verdict)
+        if verdict.status is CheckStatus.MISMATCH and not self.fail_closed and not pending.ended:
+            # Fail-open: its request uses the bad KV, and keeps it to itself
+            # (take_cache_limits). Asynchronous and synchronous loads alike.
+            self._cache_limits[rid] = self._first_bad_token(verdict)
         if pending.blocks.offloaded and verdict.status is not CheckStatus.VERIFIED:
             self._offloaded_failed(pending, verdict)
         return verdict

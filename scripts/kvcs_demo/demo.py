@@ -69,7 +69,7 @@ def prompt_of(key: str) -> str:
     return " ".join(words[:PROMPT_WORDS])
 
 
-def completion(client: httpx.Client, url: str, prompt: str, *, max_tokens: int = OUTPUT_TOKENS,
+def completion(client: httpx.Client, url: str, prompt: str | list[int], *, max_tokens: int = OUTPUT_TOKENS,
                request_id: str | None = None, kv_transfer_params: dict | None = None) -> tuple[int, dict]:
     body: dict = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     if kv_transfer_params is not None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from kvcs_demo import prom
-from kvcs_demo.demo import REQUEST_TIMEOUT_S, checksum_counts, diff, set_faults
+from kvcs_demo.demo import checksum_counts, completion, diff, set_faults, text_of
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import BLOCK_SIZE, ROOT, Setup, kv_transfer_config, make_models, server_argv, server_env
 from kvcs_demo.summary import log
@@ -41,7 +41,6 @@ from kvcs_demo.summary import log
 STARTUP_TIMEOUT_S = 900.0
 NUM_BLOCKS = 9  # the prompt's blocks: 8 full ones and a partial one
 PROMPT_TOKENS = (NUM_BLOCKS - 1) * BLOCK_SIZE + 5
-OUTPUT_TOKENS = 8
 DEFAULT_POSITION = 5
 # The stats reach /metrics with the engine's next stats interval.
 METRICS_WAIT_S = 15.0
@@ -82,34 +81,15 @@ def server_specs(work: Path, python: str, position: int) -> tuple[dict[str, Setu
     return setups, specs
 
 
-def complete(client: httpx.Client, url: str, prompt: list[int], params: dict | None = None,
-             max_tokens: int = OUTPUT_TOKENS) -> tuple[int, dict]:
-    body = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    if params is not None:
-        body["kv_transfer_params"] = params
-    r = client.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
-    try:
-        return r.status_code, r.json()
-    except ValueError:
-        return r.status_code, {"error": {"message": r.text[:500]}}
-
-
 def pd_request(client: httpx.Client, setup: Setup, prompt: list[int]) -> tuple[int, str | None, str]:
     """Both legs, as a P/D proxy runs them: (consumer's status, its text, error)."""
-    status, body = complete(client, setup.urls["producer"], prompt,
-                            {"do_remote_decode": True, "do_remote_prefill": False}, max_tokens=1)
+    status, body = completion(client, setup.urls["producer"], prompt, max_tokens=1,
+                              kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
     params = body.get("kv_transfer_params") if status == 200 else None
     if not params:
         return status, None, f"prefill leg: {json.dumps(body)[:300]}"
-    status, body = complete(client, setup.urls["consumer"], prompt, params)
+    status, body = completion(client, setup.urls["consumer"], prompt, kv_transfer_params=params)
     return status, text_of(body), "" if status == 200 else json.dumps(body)[:300]
-
-
-def text_of(body: dict) -> str | None:
-    try:
-        return body["choices"][0]["text"]
-    except (KeyError, IndexError, TypeError):
-        return None
 
 
 def reset_prefix_cache(client: httpx.Client, url: str) -> None:
@@ -153,7 +133,7 @@ def load_once(client: httpx.Client, s: Setup, prompt: list[int], *, flip: bool, 
 def local_once(client: httpx.Client, url: str, prompt: list[int]) -> dict:
     """The same prompt as a local request (no P/D): its answer and vLLM's prefix-cache deltas."""
     before = counts(url)
-    status, body = complete(client, url, prompt)
+    status, body = completion(client, url, prompt)
     _, hits = settled(url, before, lambda c, v: v.get("prefix_cache_queries"))
     return {"status": status, "text": text_of(body), "vllm": hits}
 

@@ -49,14 +49,14 @@ from pathlib import Path
 import httpx
 
 from kvcs_demo import prom
-from kvcs_demo.demo import checksum_counts, diff
+from kvcs_demo.demo import checksum_counts, completion, diff
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import (BLOCK_SIZE, CONNECTORS, MAX_MODEL_LEN, MODES, MOONCAKE_PROTOCOL, ROOT, Setup,
                               make_models, mooncake_bootstrap, producer_engine_id, push_target, server_argv,
                               server_env)
 from kvcs_demo.summary import log
 from kvcs_soak import plots, truth
-from vllm_kvchecksum import incident
+from vllm_kvchecksum import incident, metrics
 
 STARTUP_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 240.0  # an answer later than this is a hang (reported, not waited for)
@@ -351,7 +351,7 @@ def scrape_counts(url: str) -> dict[str, float]:
     return counts
 
 
-HELD_GAUGES = ("loads_in_flight", "sends_in_flight", "held_blocks")
+HELD_GAUGES = tuple(metrics.GAUGES)
 
 
 def held_state(urls: dict[str, str], client: httpx.Client) -> dict[str, dict[str, float]]:
@@ -365,8 +365,7 @@ def held_state(urls: dict[str, str], client: httpx.Client) -> dict[str, dict[str
     """
     for url in urls.values():
         try:
-            client.post(f"{url}/v1/completions", json={"model": "", "prompt": "flush", "max_tokens": 1},
-                        timeout=REQUEST_TIMEOUT_S)
+            completion(client, url, "flush", max_tokens=1)
         except httpx.HTTPError:
             pass  # judged by the gauges
     deadline = time.monotonic() + SETTLE_MAX_S
@@ -376,8 +375,8 @@ def held_state(urls: dict[str, str], client: httpx.Client) -> dict[str, dict[str
             samples = prom.scrape(url)
             names = {name for name, _ in samples}
             # A gauge the server does not export reads None (a failure), not 0.
-            held[side] = {g: prom.counter(samples, f"vllm:kv_checksum_{g}")
-                          if f"vllm:kv_checksum_{g}" in names else None for g in HELD_GAUGES}
+            held[side] = {g: prom.counter(samples, metrics.metric_name(g))
+                          if metrics.metric_name(g) in names else None for g in HELD_GAUGES}
         if not any(v != 0 for gauges in held.values() for v in gauges.values()) or time.monotonic() > deadline:
             return held
         time.sleep(1.0)
@@ -410,8 +409,8 @@ class Sampler(threading.Thread):
                 except prom.ScrapeError:
                     row[side] = None
                     continue
-                values = {k: prom.counter(samples, f"vllm:kv_checksum_{k}") for k in (*truth.LOAD_VERDICTS,
-                                                                                       *HELD_GAUGES)}
+                values = {k: prom.counter(samples, metrics.metric_name(k)) for k in (*truth.LOAD_VERDICTS,
+                                                                                      *HELD_GAUGES)}
                 values["rss_mb"] = round(rss_mb(self.servers[side].pgid), 1)
                 row[side] = values
             self.rows.append(row)

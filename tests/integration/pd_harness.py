@@ -15,11 +15,13 @@ The scheduler holds only the first worker's layers, as in vLLM.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from kv_setup import build_caches
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
@@ -108,6 +110,14 @@ def series_lacks(mode: str) -> str | None:
     if scheduler_connector(CONNECTORS[mode]).can_carry_kv_checksums():
         return None
     return f"{CONNECTORS[mode]} carries no KV checksums at this prefix of the series"
+
+
+def carrier_maker(mode: str, maker=None):
+    """The side factory (default make_side) for a carrier mode's cases
+    (the `make` fixtures): skipped where series_lacks says so."""
+    if (reason := series_lacks(mode)) is not None:
+        pytest.skip(reason)
+    return functools.partial(maker or make_side, connector=CONNECTORS[mode])
 
 
 def series_lacks_first_bad_block_rollback() -> bool:

@@ -12,16 +12,14 @@ blocks from the first bad one on, nor any block it computes after them.
 
 from __future__ import annotations
 
-import functools
-
 import pd_harness
 import pytest
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from offload_harness import (corrupt_store_kv, empty_store, host_connector, make_offload_side,  # noqa: F401
                              perform_loads, store_prompt)
-from pd_harness import (CONNECTORS, forward_of, load, make_request, make_side, prefill, prompt_of, run_local,
-                        series_lacks, stats, with_block_hole)
+from pd_harness import (CONNECTORS, carrier_maker, forward_of, load, make_request, make_side, prefill, prompt_of,
+                        run_local, stats, with_block_hole)
 from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
 
 PROMPT = 77  # 4 full 16-token blocks and a partial one
@@ -31,9 +29,7 @@ BS = 16
 @pytest.fixture(params=sorted(CONNECTORS))
 def make(request):
     """make_side for the case's carrier (pull, push, mooncake)."""
-    if (reason := series_lacks(request.param)) is not None:
-        pytest.skip(reason)
-    return functools.partial(make_side, connector=CONNECTORS[request.param])
+    return carrier_maker(request.param)
 
 
 def rollbacks(side) -> dict:

@@ -7,20 +7,17 @@ case runs for every carrier (NIXL pull, NIXL push, Mooncake P2P).
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 from hybrid_harness import MAMBA_GROUP, Mamba2Layer, make_hybrid_side, running_state_block
-from pd_harness import CONNECTORS, load, prefill, prompt_of, series_lacks, series_lacks_producer_tp_size, stats
+from pd_harness import (CONNECTORS, carrier_maker, load, prefill, prompt_of, series_lacks_producer_tp_size,
+                        stats)
 
 PROMPT = 77
 
 
 @pytest.fixture(params=sorted(CONNECTORS))
 def make(request):
-    if (reason := series_lacks(request.param)) is not None:
-        pytest.skip(reason)
-    return functools.partial(make_hybrid_side, connector=CONNECTORS[request.param])
+    return carrier_maker(request.param, make_hybrid_side)
 
 
 def verdict_groups(logs) -> str:
@@ -138,11 +135,9 @@ def test_a_payload_claiming_another_tp_size_does_not_switch_the_state_comparison
     NixlConnector says which TP size it transfers from, so the load is
     unverified instead. (Mooncake's scheduler does not know the producer's
     TP size; its checksums come from the producer itself, not a client.)"""
-    if (reason := series_lacks(mode)) is not None:
-        pytest.skip(reason)
+    make = carrier_maker(mode, make_hybrid_side)
     if series_lacks_producer_tp_size():
         pytest.skip("connectors say the producer's TP size from a later patch of the series on")
-    make = functools.partial(make_hybrid_side, connector=CONNECTORS[mode])
     model = Mamba2Layer(split=False)
     P = make("kv_producer", model=model, fail_closed=True, junk=1)
     C = make("kv_consumer", model=model, fail_closed=True, junk=2)

@@ -16,9 +16,8 @@ import logging
 import msgpack
 import pytest
 import torch
-import functools
 
-from pd_harness import (CONNECTORS, load, make_side, prefill, prompt_of, run_local, series_lacks,
+from pd_harness import (CONNECTORS, carrier_maker, load, make_side, prefill, prompt_of, run_local,
                         series_lacks_first_bad_block_rollback, stats)
 
 PROMPT = 77  # 4 full 16-token blocks and a partial one
@@ -27,9 +26,7 @@ PROMPT = 77  # 4 full 16-token blocks and a partial one
 @pytest.fixture(params=sorted(CONNECTORS))
 def make(request):
     """make_side for the case's carrier (pull, push, ...)."""
-    if (reason := series_lacks(request.param)) is not None:
-        pytest.skip(reason)
-    return functools.partial(make_side, connector=CONNECTORS[request.param])
+    return carrier_maker(request.param)
 
 
 @pytest.mark.parametrize("producer,consumer", [
