@@ -170,12 +170,12 @@ def _describe_group(verdict: GroupVerdict) -> str:
         return f"{name} verified ({verdict.compared_blocks} blocks compared)"
     if verdict.status is CheckStatus.MISMATCH:
         return (f"{name} differs at block positions "
-                f"{_format_positions(verdict.mismatched_blocks)} "
+                f"{format_positions(verdict.mismatched_blocks)} "
                 f"({len(verdict.mismatched_blocks)} of {verdict.compared_blocks} compared)")
     return f"{name} unverified: {verdict.reason}"
 
 
-def _format_positions(positions: Sequence[int], max_ranges: int = 16) -> str:
+def format_positions(positions: Sequence[int], max_ranges: int = 16) -> str:
     """Sorted positions as ranges, "3, 10-12", cut after `max_ranges`."""
     ranges: list[list[int]] = []
     for p in positions:

@@ -14,11 +14,18 @@ went bad:
   read KV of a request it had already released (vLLM NIXL's "Potentially
   invalid KV blocks for unrecognized request ... were retrieved", after a
   lease expiry). The producer's KV changed before the transfer completed.
-- "producer not re-checked": nothing on the producer's side says it
-  changed; the KV went bad on the producer after the checksums, on the
-  wire or on the consumer (a re-check of the producer's blocks at transfer
-  completion, to tell those apart, is not built yet).
+- "changed on the producer": the producer checksummed the request's blocks
+  again when the connector reported the transfer complete (before freeing
+  them), and they differed from what it sent: the producer's KV changed
+  before the transfer completed.
+- "intact on the producer": that re-check found the KV as sent, so it went
+  bad in flight or on the consumer.
+- "producer not re-checked": no producer log says either (none given, the
+  re-check is off, or it could not compare).
 - "offloaded": KV loaded back from an offloading tier (no producer).
+
+A producer writes one line per re-check (producer_record, "side":
+"producer"), at the same logger: ERROR when the KV changed, INFO otherwise.
 
 Values from outside (the producer's ids come with kv_transfer_params from
 the client) are cut to MAX_ID_CHARS and kept only as strings. Imports no
@@ -43,6 +50,8 @@ MAX_ID_CHARS = 200
 MAX_POSITIONS = 256
 
 RELEASED_BEFORE_READ = "released before the read"
+CHANGED_ON_PRODUCER = "changed on the producer"
+INTACT_ON_PRODUCER = "intact on the producer"
 NOT_RECHECKED = "producer not re-checked"
 OFFLOADED = "offloaded"
 
@@ -84,10 +93,31 @@ def incident_record(*, request_id: str, verdict: str, source: str, groups: Mappi
     }
 
 
+def producer_record(*, request_id: str, transfer_id: str | None, result: str, groups: Mapping[int, Iterable[int]], engine_id: str | None,
+                    connector: str, carrier: str | None, tp_size: int, pp_size: int,
+                    block_sizes: Mapping[int, int], reason: str, now: float) -> dict[str, Any]:
+    """One producer re-check at a transfer's completion (recheck.py): "intact", "changed" or "not_rechecked".
+
+    transfer_id: the router's id of the transfer, when the request's
+    kv_transfer_params carry one (Mooncake): its consumer names it so.
+    """
+    return {
+        "side": "producer", "time": now, "request_id": request_id, "transfer_id": transfer_id,
+        "verdict": result, "engine_id": engine_id,
+        "connector": connector, "carrier": carrier, "tp_size": tp_size, "pp_size": pp_size,
+        "block_sizes": {str(g): int(b) for g, b in sorted(block_sizes.items())}, "reason": reason,
+        "groups": {str(g): sorted(int(p) for p in positions)[:MAX_POSITIONS] for g, positions in sorted(groups.items())},
+    }
+
+
 def emit(record: Mapping[str, Any]) -> None:
-    """Log one incident line (never raises: a line lost is better than an engine stopped)."""
+    """Log one incident line (never raises: a line lost is better than an engine stopped).
+
+    ERROR for a mismatch or a changed producer KV, INFO for the others.
+    """
     try:
-        logger.error("%s%s", INCIDENT_MARK, json.dumps(record, sort_keys=True, separators=(",", ":")))
+        level = logging.ERROR if record.get("verdict") in ("mismatch", "changed") else logging.INFO
+        logger.log(level, "%s%s", INCIDENT_MARK, json.dumps(record, sort_keys=True, separators=(",", ":")))
     except Exception:
         logger.exception("KV checksums: writing the incident line of request %r failed.",
                          record.get("request_id"))
@@ -114,23 +144,57 @@ def released_requests(text: str) -> set[str]:
     return set(_RELEASED.findall(text))
 
 
-def where(incident: Mapping[str, Any], released: set[str]) -> str:
-    """Where one mismatched load's KV went bad, as far as the logs tell."""
+def rechecks(text: str) -> dict[tuple[str, str | None], str]:
+    """A producer log's re-checks: (request id or transfer id, engine id) -> "intact" / "changed" / "not_rechecked"."""
+    out = {}
+    for record in read_incidents(text):
+        if record.get("side") != "producer":
+            continue
+        for key in ("request_id", "transfer_id"):
+            if isinstance(record.get(key), str):
+                out[(record[key], record.get("engine_id"))] = str(record.get("verdict"))
+    return out
+
+
+def where(incident: Mapping[str, Any], released: set[str],
+          rechecked: Mapping[tuple[str, str | None], str] | None = None) -> str:
+    """Where one mismatched load's KV went bad, as far as the logs tell.
+
+    A read after the release comes first: the producer's re-check at a lease
+    expiry ran before the read and finds the KV intact, yet the consumer read
+    blocks already given to another request.
+    """
     if incident.get("source") != "producer":
         return OFFLOADED
     remote = incident.get("remote_request_id")
-    if isinstance(remote, str) and remote in released:
+    if not isinstance(remote, str):
+        return NOT_RECHECKED
+    if remote in released:
         return RELEASED_BEFORE_READ
+    rechecked = rechecked or {}
+    engine = incident.get("remote_engine_id")
+    # The consumer names the producer's engine when its connector does.
+    result = rechecked.get((remote, engine)) if engine is not None else None
+    if result is None:
+        matches = {v for (rid, _), v in rechecked.items() if rid == remote}
+        result = matches.pop() if len(matches) == 1 else None
+    if result == "changed":
+        return CHANGED_ON_PRODUCER
+    if result == "intact":
+        return INTACT_ON_PRODUCER
     return NOT_RECHECKED
 
 
 def attribute(consumer_logs: Iterable[str], producer_logs: Iterable[str]) -> list[tuple[dict[str, Any], str]]:
     """Every mismatch incident of the consumers' logs, with where it happened."""
     released: set[str] = set()
+    rechecked: dict[tuple[str, str | None], str] = {}
     for text in producer_logs:
         released |= released_requests(text)
-    return [(incident, where(incident, released)) for text in consumer_logs for incident in read_incidents(text)
-            if incident.get("verdict") == "mismatch"]
+        rechecked.update(rechecks(text))
+    return [(incident, where(incident, released, rechecked)) for text in consumer_logs
+            for incident in read_incidents(text)
+            if incident.get("side", "consumer") == "consumer" and incident.get("verdict") == "mismatch"]
 
 
 def where_main(argv=None) -> int:

@@ -24,6 +24,15 @@ KVChecksumProm.observe, which adds them to these counters on /metrics:
       dropped (the load's end minus what was kept)
   vllm:kv_checksum_sent_total                     producer payloads sent
   vllm:kv_checksum_not_sent_total{reason}         producer payloads not sent
+  vllm:kv_checksum_producer_intact_total          sends re-checked when their transfer
+                                                  completed: the KV was as sent
+  vllm:kv_checksum_producer_changed_total         sends whose KV changed on the producer
+                                                  before their transfer completed
+  vllm:kv_checksum_producer_changed_blocks_total  block positions that changed so
+  vllm:kv_checksum_producer_not_rechecked_total{reason}
+      sends not re-checked at their transfer's completion: the request no
+      longer held the blocks its checksums were sent for ("blocks_moved"),
+      or the re-check could not be summed ("sum_failed")
   vllm:kv_checksum_offloaded_loads_verified_total, ..._mismatched_total,
   ..._unverified_total{reason}, vllm:kv_checksum_offloaded_mismatched_blocks_total
       the same verdicts for KV loaded back from offloading (checked against
@@ -39,9 +48,15 @@ the first stats update after they change, so they read 0 once the traffic
 has stopped and nothing is held; a value that stays up is a leak):
 
   vllm:kv_checksum_loads_in_flight   loads started and not yet judged or dropped
-  vllm:kv_checksum_sends_in_flight   producer requests checksummed, not yet finished
+  vllm:kv_checksum_sends_in_flight   producer requests checksummed whose transfer has
+                                     not completed (and been re-checked) yet
   vllm:kv_checksum_held_blocks       blocks of synchronous loads no other request
                                      may hit until their verdict
+
+A producer whose connector released a request's KV before the consumer read
+it (vLLM NIXL's lease expiry) counts that read in the connector's own
+vllm:nixl_num_notifications_after_expiry; `python -m vllm_kvchecksum.where`
+joins it with the consumer's mismatch (incident.py).
 
 A mismatch is only ever counted as mismatched: a cache miss is no load at all
 (vLLM's external prefix cache counters), and a connector failure is
@@ -71,6 +86,10 @@ RECOMPUTED_TOKENS = "recomputed_tokens"
 # Loads of offloaded KV: the verdict keys above with this prefix.
 OFFLOADED = "offloaded_"
 OFFLOADED_NOT_CHECKED = "offloaded_loads_not_checked"
+PRODUCER_INTACT = "producer_intact"
+PRODUCER_CHANGED = "producer_changed"
+PRODUCER_CHANGED_BLOCKS = "producer_changed_blocks"
+PRODUCER_NOT_RECHECKED = "producer_not_rechecked"
 
 # Label values of the labelled counters (the unverified reasons are
 # UnverifiedReason's values). Bounded: a label never takes a value from
@@ -79,6 +98,7 @@ NOT_COMPARED_REASONS = ("load_failed", "request_ended")
 NOT_SENT_REASONS = ("sum_failed", "not_carried")
 ROLLBACKS = ("from_first_bad_block", "whole_prompt")
 OFFLOADED_NOT_CHECKED_REASONS = ("sync_load", "tier_not_covered", "no_groups")
+NOT_RECHECKED_REASONS = ("blocks_moved", "sum_failed")
 
 # name -> (documentation, label name or None, known label values).
 COUNTERS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
@@ -94,6 +114,14 @@ COUNTERS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     RECOMPUTED_TOKENS: ("Loaded tokens dropped by recomputing failed loads.", None, ()),
     SENT: ("Producer requests whose KV checksums were sent with their KV.", None, ()),
     NOT_SENT: ("Producer requests whose KV checksums were not sent, by reason.", "reason", NOT_SENT_REASONS),
+    PRODUCER_INTACT: ("Producer requests whose KV, checksummed again when its transfer completed, was as sent.",
+                      None, ()),
+    PRODUCER_CHANGED: ("Producer requests whose KV changed before its transfer completed (the consumer's check "
+                       "fails; the fault is the producer's).", None, ()),
+    PRODUCER_CHANGED_BLOCKS: ("Block positions whose KV changed on the producer before their transfer completed.",
+                              None, ()),
+    PRODUCER_NOT_RECHECKED: ("Producer requests whose KV was not checksummed again at the transfer's completion, "
+                             "by reason.", "reason", NOT_RECHECKED_REASONS),
     OFFLOADED + VERIFIED: ("Loads of offloaded KV whose stored KV checksums matched.", None, ()),
     OFFLOADED + MISMATCHED: ("Loads of offloaded KV whose stored KV checksums differed (corrupt, misplaced or "
                              "another prefix's KV in the store).", None, ()),
@@ -110,7 +138,8 @@ SENDS_IN_FLIGHT = "sends_in_flight"
 HELD_BLOCKS = "held_blocks"
 GAUGES: dict[str, str] = {
     LOADS_IN_FLIGHT: "KV loads started whose checksums are not yet compared (or dropped).",
-    SENDS_IN_FLIGHT: "Producer requests whose KV was checksummed and that have not finished yet.",
+    SENDS_IN_FLIGHT: "Producer requests whose KV was checksummed and whose transfer has not completed and been "
+                     "re-checked yet.",
     HELD_BLOCKS: "Blocks of synchronous loads of offloaded KV that no other request may hit until their verdict.",
 }
 

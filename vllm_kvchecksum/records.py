@@ -66,19 +66,26 @@ class KVChecksumScheduled:
     reqs_loaded: synchronous loads of offloaded KV that the connector performs
     in this step (before the forward uses them); checksummed after the
     step's forward, like a finished load.
+    reqs_to_recheck: producer requests whose transfer completed (the
+    connector reported them finished sending) and whose blocks the scheduler
+    holds until their KV is checksummed again and compared with what was
+    sent; checksummed like a send.
     step: the scheduler's number for this step, so the update of its output
-    judges this step's synchronous loads (with a batch queue or PP several
-    steps are in flight, and one request can load in two of them).
+    judges this step's synchronous loads and re-checks (with a batch queue
+    or PP several steps are in flight, and one request can load in two of
+    them).
     """
 
     reqs_to_send: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     reqs_to_recv: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     reqs_to_forget: set[str] = field(default_factory=set)
     reqs_loaded: dict[str, KVChecksumBlocks] = field(default_factory=dict)
+    reqs_to_recheck: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     step: int = 0
 
     def is_empty(self) -> bool:
-        return not (self.reqs_to_send or self.reqs_to_recv or self.reqs_to_forget or self.reqs_loaded)
+        return not (self.reqs_to_send or self.reqs_to_recv or self.reqs_to_forget or self.reqs_loaded
+                    or self.reqs_to_recheck)
 
 
 @dataclass
@@ -108,6 +115,8 @@ class RecordPurpose:
     SEND = "send"
     LOAD = "load"
     SYNC_LOAD = "sync_load"
+    # A producer's KV checksummed again when its transfer completed.
+    RECHECK = "recheck"
 
 
 @dataclass

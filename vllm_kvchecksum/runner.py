@@ -102,9 +102,9 @@ def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumSchedule
     """Queue this step's checksums; call after the step's forward, once per
     scheduler output, in order (scheduled may be None: nothing new).
 
-    sends: the producer requests whose prompt KV the step finished (pass
-      False when a drafter still writes KV; call again with recvs=False
-      after it). recvs: update the worker's pending loads from `scheduled`
+    sends: the producer requests whose prompt KV the step finished, and
+      the re-checks of completed transfers (pass False when a drafter still
+      writes KV; call again with recvs=False after it). recvs: update the worker's pending loads from `scheduled`
       and checksum those that this worker's connector reports finished in
       this step (`finished_recving`). Pass recvs=False on a second call for
       the same scheduler output, so its loads are not added again.
@@ -119,6 +119,10 @@ def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumSchedule
     outputs = []
     if sends and scheduled is not None and scheduled.reqs_to_send:
         outputs.append(worker.compute(scheduled.reqs_to_send, replica_zero_only=True, purpose=RecordPurpose.SEND))
+    if sends and scheduled is not None and scheduled.reqs_to_recheck:
+        # Held blocks of finished requests: nothing in the step writes them.
+        outputs.append(worker.compute(scheduled.reqs_to_recheck, replica_zero_only=True,
+                                      purpose=RecordPurpose.RECHECK))
     if recvs:
         if loaded is _NOT_YET:
             loaded = checksum_loaded(worker, scheduled)

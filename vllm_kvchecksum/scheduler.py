@@ -9,7 +9,10 @@ KV load, so kv_load_failure_policy applies.
 
 Producer: add_send (the step whose scheduled tokens cross the prompt),
 collect (top of update_from_output), request_finished (the payload to
-return in kv_transfer_params, or to hand to a connector-owned carrier).
+return in kv_transfer_params, or to hand to a connector-owned carrier),
+recheck_before_free (the connector reports the transfer complete: the
+blocks are checksummed once more before they are freed) and take_rechecked
+(the re-checks judged, whose blocks the Scheduler frees now).
 Consumer: add_recv (an async load starts), collect (also takes the
 checksums a connector-owned carrier delivered to the workers),
 verify_finished_loads (the aggregated finished_recving of the step).
@@ -34,9 +37,11 @@ from typing import TYPE_CHECKING, Any
 from vllm_kvchecksum.blocks import GroupLayout, group_blocks, request_blocks
 from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY, KVChecksumCarrier
 from vllm_kvchecksum import incident, metrics
-from vllm_kvchecksum.compare import CheckStatus, LoadVerdict, UnverifiedReason, compare_load, sum_producer
+from vllm_kvchecksum.compare import (CheckStatus, LoadVerdict, UnverifiedReason, compare_load, format_positions,
+                                     sum_producer)
 from vllm_kvchecksum.offload import OFFLOADED_SOURCE, compare_offloaded
 from vllm_kvchecksum.payload import KVChecksumPayload, max_encoded_size, max_packed_size
+from vllm_kvchecksum.recheck import RecheckResult, RecheckStatus, recheck
 from vllm_kvchecksum.records import (KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord, KVChecksumScheduled,
                                      RecordPurpose)
 
@@ -254,6 +259,12 @@ class KVChecksumScheduler:
                                 if not layout.is_state and layout.block_size == hash_block_size]
         self._step = KVChecksumScheduled()
         self._sends: dict[str, _Pending] = {}
+        # Producer requests whose checksums were sent, until their transfer
+        # completes (expected: the payload sent); then, until the re-check's
+        # step has run, the ones being re-checked.
+        self._sent: dict[str, _Pending] = {}
+        self._rechecking: dict[str, _Pending] = {}
+        self.recheck_sends = bool(kv.kv_checksum_producer_recheck)
         self._recvs: dict[str, _Pending] = {}
         # Synchronous loads of offloaded KV by the step that performs them
         # (KVChecksumScheduled.step): with a batch queue several steps are in
@@ -334,7 +345,7 @@ class KVChecksumScheduler:
     def gauges(self) -> dict[str, int]:
         """What this scheduler holds now: loads and sends in flight, held blocks."""
         return {metrics.LOADS_IN_FLIGHT: len(self._recvs) + sum(len(loads) for loads in self._sync.values()),
-                metrics.SENDS_IN_FLIGHT: len(self._sends),
+                metrics.SENDS_IN_FLIGHT: len(self._sends) + len(self._sent) + len(self._rechecking),
                 metrics.HELD_BLOCKS: len(self._held)}
 
     # -- each step ---------------------------------------------------------
@@ -614,7 +625,8 @@ class KVChecksumScheduler:
             if record.purpose == RecordPurpose.SYNC_LOAD:
                 self._sync_records.append(record)
                 continue
-            table = self._sends if record.purpose == RecordPurpose.SEND else self._recvs
+            table = {RecordPurpose.SEND: self._sends, RecordPurpose.RECHECK: self._rechecking}.get(
+                record.purpose, self._recvs)
             for rid in record.requests:
                 pending = table.get(rid)
                 if pending is not None:
@@ -665,7 +677,99 @@ class KVChecksumScheduler:
             return kv_transfer_params
         self.stats["sent"] += 1
         self._metrics[metrics.SENT] += 1
+        if self.recheck_sends:
+            # The consumer may name the transfer by the router's id (Mooncake).
+            transfer_id = incident.outside_id((request.kv_transfer_params or {}).get("transfer_id"))
+            self._sent[request.request_id] = _Pending(pending.blocks, expected=result.payload,
+                                                      carrier=getattr(carrier, "value", None),
+                                                      remote=(transfer_id, None))
         return kv_transfer_params
+
+    def recheck_before_free(self, request: Request, block_ids) -> bool:
+        """The connector reports the request's transfer complete: hold its blocks for a re-check?
+
+        True: the blocks are checksummed again in the next scheduled step,
+        and the Scheduler frees them once take_rechecked returns the request.
+        False: free them now (no checksums were sent for it, re-checks are
+        off, or its blocks are no longer those the checksums were sent for).
+        `block_ids`: the request's blocks now, per KV cache group.
+        """
+        rid = request.request_id
+        sent = self._sent.pop(rid, None)
+        if sent is None:
+            return False
+        try:
+            now = request_blocks(block_ids, self.layouts, 0, sent.blocks.num_tokens, self.null_block_id)
+        except Exception:
+            logger.exception("KV checksums: reading the blocks of request %s at its transfer's completion "
+                             "raised; its KV is not re-checked.", rid)
+            now = None
+        if now != sent.blocks.groups:
+            self._producer_result(rid, sent, RecheckResult(
+                RecheckStatus.NOT_RECHECKED, reason="the request's blocks are not those its checksums were sent for"),
+                "blocks_moved")
+            return False
+        sent.records = []
+        self._rechecking[rid] = sent
+        self._step.reqs_to_recheck[rid] = sent.blocks
+        return True
+
+    def take_rechecked(self, scheduled: KVChecksumScheduled | None) -> list[str]:
+        """Judge the re-checks of the step whose output is being processed; their requests' blocks may be freed.
+
+        Call in update_from_output after collect, with the step's own
+        kv_checksum_scheduled. Every request the step re-checked is
+        returned, whatever the result: a re-check never keeps blocks longer
+        than one step.
+        """
+        if scheduled is None or not scheduled.reqs_to_recheck:
+            return []
+        done = []
+        for rid in scheduled.reqs_to_recheck:
+            sent = self._rechecking.pop(rid, None)
+            if sent is None:
+                continue
+            done.append(rid)
+            try:
+                scheduled_groups = {g: (b.start, len(b.block_ids)) for g, b in sent.blocks.groups.items()}
+                again = sum_producer(sent.records, rid, self.num_workers, scheduled_groups,
+                                     sent.blocks.num_tokens, self.tp_size)
+                result = recheck(sent.expected, again.payload, again.reason)
+            except Exception as exc:
+                logger.exception("KV checksums: re-checking the KV of request %s raised; it is not re-checked.", rid)
+                result = RecheckResult(RecheckStatus.NOT_RECHECKED, reason=f"comparing raised {type(exc).__name__}")
+            self._producer_result(rid, sent, result, "sum_failed")
+        return done
+
+    def _producer_result(self, rid: str, sent: _Pending, result: RecheckResult, not_rechecked_reason: str) -> None:
+        """Count, log and write the incident line of one producer re-check."""
+        if result.status is RecheckStatus.CHANGED:
+            self._metrics[metrics.PRODUCER_CHANGED] += 1
+            self._metrics[metrics.PRODUCER_CHANGED_BLOCKS] += result.num_changed_blocks
+            where = "; ".join(f"group {g} blocks {format_positions(p)}" for g, p in sorted(result.changed.items()))
+            logger.error("KV checksums: the KV of producer request %s changed before its transfer completed (%s): "
+                         "the consumer's copy differs from the checksums sent with it, so its check fails. The KV "
+                         "was written while the connector (%s) held it for the transfer: a kernel writing past its "
+                         "own blocks, or blocks freed and reused before the transfer ended.",
+                         rid, where, self.connector_name)
+        elif result.status is RecheckStatus.INTACT:
+            self._metrics[metrics.PRODUCER_INTACT] += 1
+        else:
+            self._metrics[metrics.labelled(metrics.PRODUCER_NOT_RECHECKED, not_rechecked_reason)] += 1
+            logger.debug("KV checksums: the KV of producer request %s is not re-checked: %s.", rid, result.reason)
+        incident.emit(incident.producer_record(
+            request_id=rid, transfer_id=sent.remote[0], result=result.status.value, groups=result.changed,
+            engine_id=self.engine_id,
+            connector=self.connector_name, carrier=sent.carrier, tp_size=self.tp_size,
+            pp_size=self.num_workers // max(self.tp_size, 1),
+            block_sizes={layout.group_id: layout.block_size for layout in self.layouts},
+            reason=result.reason, now=time.time()))
+
+    def release_send(self, req_id: str) -> None:
+        """The Scheduler freed the request's blocks: nothing of them is left to re-check."""
+        self._sent.pop(req_id, None)
+        self._rechecking.pop(req_id, None)
+        self._step.reqs_to_recheck.pop(req_id, None)
 
     def _not_carried(self, req_id: str, carrier, kv_transfer_params) -> None:
         self.stats["not_carried"] += 1

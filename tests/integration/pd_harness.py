@@ -232,7 +232,7 @@ class Side:
     # -- one engine step ---------------------------------------------------
 
     def step(self, finished_recving=frozenset(), forward=None, *, failed_recving=frozenset(), finished_on=None,
-             received=None):
+             received=None, finished_sending=frozenset()):
         """One engine step: schedule, `forward(scheduler_output)` writes the
         step's KV, every worker checksums and reports, the scheduler updates.
 
@@ -240,16 +240,18 @@ class Side:
         finished_on: instead, worker index -> the loads that worker reports.
         failed_recving: of those, the ones the connector reports failed.
         received: the checksums every worker's connector delivers (by
-        request id; connector-owned carriers)."""
+        request id; connector-owned carriers). finished_sending: the
+        producer requests whose transfer every worker's connector reports
+        complete."""
         out = self.scheduler.schedule()
         if forward is not None:
             forward(out)
         merged = self.run_workers(out, finished_recving, failed_recving=failed_recving, finished_on=finished_on,
-                                  received=received)
+                                  received=received, finished_sending=finished_sending)
         return out, self.update(out, merged)
 
     def run_workers(self, out, finished_recving=frozenset(), *, failed_recving=frozenset(), finished_on=None,
-                    received=None):
+                    received=None, finished_sending=frozenset()):
         """The workers' half of a step for scheduler output `out` (see step):
         their outputs, merged by the real KVOutputAggregator."""
         runner_outputs = []
@@ -257,7 +259,7 @@ class Side:
             done = set(finished_on.get(i, ())) if finished_on is not None else set(finished_recving)
             checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, done, received=received)
             kv_out = KVConnectorOutput(finished_recving=done or None, failed_recving=set(failed_recving) & done,
-                                       kv_checksums=checksums)
+                                       finished_sending=set(finished_sending) or None, kv_checksums=checksums)
             runner_outputs.append(self.runner_output(out, kv_out))
         return self.aggregator.aggregate(runner_outputs, 0)
 
@@ -304,15 +306,18 @@ def stats(side: Side) -> dict:
 def make_config(role: str, tp: int, pp: int, block_size: int, *, enable: bool = True, fail_closed: bool = False,
                 policy: str = "fail", connector: str = "NixlConnector",
                 connector_extra: dict | None = None, connector_module_path: str | None = None,
-                max_num_batched_tokens: int = 2048) -> VllmConfig:
+                max_num_batched_tokens: int = 2048, producer_recheck: bool = False) -> VllmConfig:
     """A real VllmConfig of one side. connector_extra with "connectors" makes
-    it a MultiConnector, unless connector_module_path names another wrapper."""
+    it a MultiConnector, unless connector_module_path names another wrapper.
+    producer_recheck: kv_checksum_producer_recheck (passed only when set:
+    the series' prefixes before it lack the key)."""
     if connector_module_path is None and (connector == "MultiConnector" or (connector_extra or {}).get("connectors")):
         connector = "MultiConnector"
     model_config = ModelConfig(model="facebook/opt-125m", dtype="bfloat16", seed=0, max_model_len=2048)
     kv = KVTransferConfig(kv_connector=connector, kv_connector_module_path=connector_module_path, kv_role=role,
                           kv_buffer_device="cpu", enable_kv_checksum=enable, kv_checksum_fail_closed=fail_closed,
-                          kv_load_failure_policy=policy, kv_connector_extra_config=connector_extra or {})
+                          kv_load_failure_policy=policy, kv_connector_extra_config=connector_extra or {},
+                          **({"kv_checksum_producer_recheck": True} if producer_recheck else {}))
     return VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,

@@ -1,0 +1,205 @@
+"""The producer re-checks its KV when the transfer completes, before it frees the blocks.
+
+Real vLLM schedulers (NixlConnector pull, NixlPushConnector, MooncakeConnector
+scheduler sides) and checksum workers; the tests play the connectors' worker
+halves: they copy the producer's blocks into the consumer's (the transfer)
+and report the producer's request finished sending. A producer block changed
+after the checksums were sent and before the completion is reported as
+"changed" (counter, error line, incident line); an unchanged one as
+"intact"; the blocks stay allocated until the re-check's step has run.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+from pd_harness import (CONNECTORS, carrier_maker, load, make_side, prefill, prompt_of, stats)
+
+from vllm_kvchecksum import incident, metrics
+
+PROMPT = 77
+
+
+@pytest.fixture(autouse=True)
+def incident_lines(caplog):
+    # An intact re-check's line is at INFO.
+    caplog.set_level(logging.INFO, logger=incident.INCIDENT_LOGGER)
+
+
+@pytest.fixture(params=sorted(CONNECTORS))
+def make(request):
+    return carrier_maker(request.param, functools.partial(make_side, producer_recheck=True))
+
+
+def incidents(caplog, side: str) -> list[dict]:
+    return [line for line in incident.read_incidents("\n".join(
+        r.getMessage() for r in caplog.records if r.name == incident.INCIDENT_LOGGER)) if line["side"] == side]
+
+
+def free_blocks(side) -> int:
+    return side.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def complete(producer, preq) -> None:
+    """The connector reports the transfer complete; the next step re-checks; the blocks go."""
+    rid = preq.request_id
+    free_before = free_blocks(producer)
+    out, _ = producer.step(finished_sending={rid})
+    # Held for the re-check: still the scheduler's, still allocated.
+    assert rid in producer.scheduler.requests and free_blocks(producer) == free_before
+    out, _ = producer.step()
+    assert rid in out.kv_checksum_scheduled.reqs_to_recheck
+    assert rid not in producer.scheduler.requests and free_blocks(producer) > free_before
+
+
+def test_intact_kv_is_counted_and_the_blocks_are_freed_after_the_recheck(make, caplog):
+    P, C = make("kv_producer"), make("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params)
+    assert P.reported_gauges[metrics.SENDS_IN_FLIGHT] == 1
+    complete(P, preq)
+    assert stats(C) == {"verified": 1}
+    assert P.reported_metrics[metrics.PRODUCER_INTACT] == 1
+    assert P.reported_metrics[metrics.PRODUCER_CHANGED] == 0
+    [line] = incidents(caplog, "producer")
+    assert line["verdict"] == "intact" and line["request_id"] == preq.request_id and line["groups"] == {}
+    assert line["engine_id"] == P.scheduler.vllm_config.kv_transfer_config.engine_id
+    assert P.reported_gauges[metrics.SENDS_IN_FLIGHT] == 0
+
+
+def test_kv_changed_before_the_completion_is_the_producers(make, caplog):
+    P, C = make("kv_producer"), make("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    # A write into the producer's held blocks after the checksums were sent:
+    # the consumer reads the changed KV.
+    P.corrupt(preq.request_id, position=2)
+    P.corrupt(preq.request_id, position=4, worker=0)
+    load(C, P, preq, params)
+    assert stats(C) == {"mismatch": 1}
+    complete(P, preq)
+    assert P.reported_metrics[metrics.PRODUCER_CHANGED] == 1
+    assert P.reported_metrics[metrics.PRODUCER_CHANGED_BLOCKS] == 2
+    assert P.reported_metrics[metrics.PRODUCER_INTACT] == 0
+    [line] = incidents(caplog, "producer")
+    assert line["verdict"] == "changed" and line["groups"] == {"0": [2, 4]}
+    errors = [r.getMessage() for r in caplog.records if r.name == "vllm.kv_checksum" and r.levelname == "ERROR"]
+    assert any(preq.request_id in m and "changed before its transfer completed" in m and "group 0 blocks 2, 4" in m
+               for m in errors)
+    # The join names the producer.
+    consumer_log = "\n".join(r.getMessage() for r in caplog.records if r.name == incident.INCIDENT_LOGGER)
+    [(_, place)] = incident.attribute([consumer_log], [consumer_log])
+    assert place == incident.CHANGED_ON_PRODUCER
+
+
+def test_kv_bad_on_the_consumer_reads_intact_on_the_producer(caplog):
+    P, C = make_side("kv_producer", producer_recheck=True), make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params, tamper=lambda req: C.corrupt(req.request_id, position=1))
+    complete(P, preq)
+    assert stats(C) == {"mismatch": 1}
+    log = "\n".join(r.getMessage() for r in caplog.records if r.name == incident.INCIDENT_LOGGER)
+    [(_, place)] = incident.attribute([log], [log])
+    assert place == incident.INTACT_ON_PRODUCER
+    # Without the producer's log the join cannot tell.
+    [(_, place)] = incident.attribute([log], [])
+    assert place == incident.NOT_RECHECKED
+
+
+def test_with_a_batch_queue_the_blocks_stay_until_the_rechecks_own_step(caplog):
+    """Step N+1 is scheduled before step N's output: the re-check asked for
+    in N's update runs in a later step, and only that step's update frees."""
+    P = make_side("kv_producer", batch_queue=True, producer_recheck=True)
+    C = make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    rid = preq.request_id
+    P.corrupt(rid, position=3)
+    load(C, P, preq, params)
+    free_before = free_blocks(P)
+    out_n = P.scheduler.schedule()
+    out_n1 = P.scheduler.schedule()
+    P.update(out_n, P.run_workers(out_n, finished_sending={rid}))
+    assert not out_n1.kv_checksum_scheduled or rid not in out_n1.kv_checksum_scheduled.reqs_to_recheck
+    P.update(out_n1, P.run_workers(out_n1))
+    assert rid in P.scheduler.requests and free_blocks(P) == free_before
+    out_n2 = P.scheduler.schedule()
+    assert rid in out_n2.kv_checksum_scheduled.reqs_to_recheck
+    P.update(out_n2, P.run_workers(out_n2))
+    assert rid not in P.scheduler.requests and free_blocks(P) > free_before
+    assert P.reported_metrics[metrics.PRODUCER_CHANGED] == 1
+    [line] = incidents(caplog, "producer")
+    assert line["groups"] == {"0": [3]}
+
+
+def test_a_recheck_no_worker_reported_is_not_rechecked_and_still_frees(caplog):
+    P, C = make_side("kv_producer", tp=2, producer_recheck=True), make_side("kv_consumer", tp=2)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params)
+    rid = preq.request_id
+    P.step(finished_sending={rid})
+    out = P.scheduler.schedule()
+    merged = P.run_workers(out)
+    # One worker's record of the re-check is lost.
+    records = merged.kv_connector_output.kv_checksums.finalize()
+    for record in records:
+        if record.tp_rank == 1:
+            record.requests.pop(rid, None)
+    P.update(out, merged)
+    assert rid not in P.scheduler.requests
+    assert P.reported_metrics[metrics.labelled(metrics.PRODUCER_NOT_RECHECKED, "sum_failed")] == 1
+    assert P.reported_metrics[metrics.PRODUCER_INTACT] == 0
+    [line] = incidents(caplog, "producer")
+    assert line["verdict"] == "not_rechecked"
+
+
+def test_blocks_no_longer_those_sent_are_not_rechecked(monkeypatch, caplog):
+    P, C = make_side("kv_producer", producer_recheck=True), make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params)
+    rid = preq.request_id
+    real = P.scheduler.kv_cache_manager.get_block_ids
+
+    def moved(request_id):
+        ids = real(request_id)
+        return tuple([*group[:1], group[2], group[1], *group[3:]] for group in ids)
+
+    monkeypatch.setattr(P.scheduler.kv_cache_manager, "get_block_ids", moved)
+    P.step(finished_sending={rid})
+    # Not held: a re-check of other blocks than those sent would be a false alarm.
+    assert rid not in P.scheduler.requests
+    assert P.reported_metrics[metrics.labelled(metrics.PRODUCER_NOT_RECHECKED, "blocks_moved")] == 1
+    assert P.reported_metrics[metrics.PRODUCER_CHANGED] == 0
+
+
+def test_a_request_whose_checksums_were_not_sent_is_freed_at_once():
+    P, C = make_side("kv_producer", producer_recheck=True), make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    # Its sent entry is gone (as for a request that sent no checksums).
+    P.scheduler.kv_checksum.release_send(preq.request_id)
+    P.step(finished_sending={preq.request_id})
+    assert preq.request_id not in P.scheduler.requests
+    assert P.reported_metrics[metrics.PRODUCER_INTACT] == 0
+
+
+def test_off_by_default_the_blocks_go_at_once(caplog):
+    P, C = make_side("kv_producer"), make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    P.corrupt(preq.request_id, position=2)
+    load(C, P, preq, params)
+    assert P.reported_gauges.get(metrics.SENDS_IN_FLIGHT, 0) == 0
+    P.step(finished_sending={preq.request_id})
+    assert preq.request_id not in P.scheduler.requests
+    assert not any(k.startswith("producer_") for k in P.reported_metrics)
+    assert incidents(caplog, "producer") == []
+
+
+def test_the_config_key():
+    from vllm.config import KVTransferConfig
+
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    assert KVTransferConfig(**nixl, enable_kv_checksum=True).kv_checksum_producer_recheck is False
+    assert KVTransferConfig(**nixl, enable_kv_checksum=True,
+                            kv_checksum_producer_recheck=True).kv_checksum_producer_recheck is True
+    with pytest.raises(ValueError, match="kv_checksum_producer_recheck=True needs enable_kv_checksum=True"):
+        KVTransferConfig(**nixl, kv_checksum_producer_recheck=True)
