@@ -77,7 +77,11 @@ ALL_KINDS = "all"
 RECENT_LOADS = 8
 
 _SETTING_KEYS = ("kinds", "rate", "seed", "log_path", "control_path", "witness_path", "stall_rate", "stall_s",
-                 "position")
+                 "position", "target")
+# What the faults hit: the KV each load wrote (on a consumer), or the KV of
+# each producer request after its checksums were taken and before its
+# transfer completes (on a producer: what the producer's re-check finds).
+TARGETS = ("loads", "sends")
 # The longest stall a drill may ask for: a stall blocks the engine loop.
 MAX_STALL_S = 60.0
 _CONTROL_KEYS = ("kinds", "rate", "stall_rate")
@@ -110,6 +114,11 @@ class FaultSettings:
     position: the request block position the kinds that hit one block hit
       (a drill of what follows a bad block k); None: drawn per load. A load
       that holds no such position gets no fault (recorded as skipped).
+    target: "loads" (default): faults hit the KV a load wrote, after the
+      load. "sends": on a producer, faults hit a P/D request's prompt KV
+      after its checksums were taken, while the connector holds the blocks
+      for the transfer (a drill of the producer's re-check); loads get none.
+      drop_checksums does not apply to sends (recorded as skipped).
     """
 
     kinds: tuple[str, ...] = KNOWN_KINDS
@@ -121,6 +130,7 @@ class FaultSettings:
     stall_rate: float = 0.0
     stall_s: float = 0.0
     position: int | None = None
+    target: str = "loads"
 
 
 def parse_kinds(value: Any, where: str) -> tuple[str, ...]:
@@ -167,6 +177,12 @@ def _parse_position(value: Any, where: str) -> int | None:
     return value
 
 
+def _parse_target(value: Any, where: str) -> str:
+    if value not in TARGETS:
+        raise ValueError(f"{where} must be one of {', '.join(TARGETS)}, got {value!r}")
+    return value
+
+
 def _parse_path(value: Any, where: str) -> str | None:
     if value is None:
         return None
@@ -200,7 +216,8 @@ def parse_fault_settings(extra_config: Mapping[str, Any]) -> FaultSettings:
         witness_path=_parse_path(section.get("witness_path"), f"{FAULTS_KEY}.witness_path"),
         stall_rate=parse_rate(section.get("stall_rate", defaults.stall_rate), f"{FAULTS_KEY}.stall_rate"),
         stall_s=_parse_stall(section.get("stall_s", defaults.stall_s), f"{FAULTS_KEY}.stall_s"),
-        position=_parse_position(section.get("position"), f"{FAULTS_KEY}.position"))
+        position=_parse_position(section.get("position"), f"{FAULTS_KEY}.position"),
+        target=_parse_target(section.get("target", defaults.target), f"{FAULTS_KEY}.target"))
 
 
 def check_connectors(extra_config: Mapping[str, Any]) -> None:
@@ -362,6 +379,10 @@ class FaultConnectorMetadata(MultiKVConnectorMetadata):
     # producer requests whose prompt KV this step finishes.
     witness_loads: dict[str, WitnessPlan] = field(default_factory=dict)
     witness_sends: dict[str, WitnessPlan] = field(default_factory=dict)
+    # target "sends": finished producer requests whose held blocks get their
+    # fault at the start of this step (their checksums were taken in an
+    # earlier step).
+    send_fault_plans: dict[str, FaultPlan] = field(default_factory=dict)
     # Seconds the workers stall before this step's transfers are posted.
     stall_s: float = 0.0
 
@@ -526,6 +547,11 @@ class KVChecksumFaultConnector(MultiConnector):
         self._started: dict[str, tuple[Request, int]] = {}
         self._stall_rng = random.Random(self.settings.seed ^ 0x5EED)
         self._producer_reqs: dict[str, Request] = {}
+        # target "sends": the planned fault of each producer request whose
+        # prompt KV is checksummed, until it finishes; then, if its blocks
+        # are held for the transfer, until the next metadata carries it.
+        self._send_candidates: dict[str, FaultPlan] = {}
+        self._send_faults: dict[str, FaultPlan] = {}
         # Worker side.
         self._plans: dict[str, FaultPlan] = {}
         # Loads whose connector-delivered checksums this worker dropped
@@ -590,6 +616,8 @@ class KVChecksumFaultConnector(MultiConnector):
             return
         if self.settings.witness_path is not None or self._control.stall_rate() > 0:
             self._started[request.request_id] = (request, num_external_tokens)
+        if self.settings.target != "loads":
+            return
         try:
             decision = self._decider.decide()
             if decision is None:
@@ -659,9 +687,16 @@ class KVChecksumFaultConnector(MultiConnector):
                 self._write(injection_record(request_id=req_id, kind=pending.decision.kind, side="scheduler",
                                              skipped=skipped, now=time.time(), pid=os.getpid()))
         witness_loads, stall_s = self._witness_started()
+        finishing = self._sends_finishing(scheduler_output)
+        witness_sends = {}
+        if self.settings.witness_path is not None:
+            witness_sends = {rid: WitnessPlan(n, groups) for rid, (n, groups) in finishing.items()}
+        if self.settings.target == "sends":
+            self._plan_send_faults(finishing)
+        send_faults, self._send_faults = self._send_faults, {}
         return FaultConnectorMetadata(metadata=child.metadata, extra_async_saves=child.extra_async_saves,
                                       fault_plans=plans, witness_loads=witness_loads,
-                                      witness_sends=self._witness_sends_of(scheduler_output), stall_s=stall_s)
+                                      witness_sends=witness_sends, send_fault_plans=send_faults, stall_s=stall_s)
 
     def _witness_started(self) -> tuple[dict[str, WitnessPlan], float]:
         """The loads started since the last step: their ground-truth plans
@@ -689,16 +724,65 @@ class KVChecksumFaultConnector(MultiConnector):
         return plans, stall_s
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
-        """The child's answer; with witness_path, P/D producer requests are
-        kept (until they finish) to find the step that finishes their prompt."""
-        if self.settings.witness_path is not None and (request.kv_transfer_params or {}).get("do_remote_decode"):
+        """The child's answer; with witness_path or target "sends", P/D
+        producer requests are kept (until they finish) to find the step that
+        finishes their prompt."""
+        if (self.settings.witness_path is not None or self.settings.target == "sends") \
+                and (request.kv_transfer_params or {}).get("do_remote_decode"):
             self._producer_reqs[request.request_id] = request
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def _witness_sends_of(self, scheduler_output: SchedulerOutput) -> dict[str, WitnessPlan]:
+    def _plan_send_faults(self, finishing: dict[str, tuple[int, dict[int, tuple[int, tuple[int, ...]]]]]) -> None:
+        """Decide, once per producer request whose prompt KV this step
+        checksums, whether it gets a fault once it has finished (request_finished)."""
+        for req_id, (num_tokens, groups) in finishing.items():
+            try:
+                decision = self._decider.decide()
+                if decision is None:
+                    continue
+                if decision.kind == DROP_CHECKSUMS:
+                    self._write(injection_record(request_id=req_id, kind=DROP_CHECKSUMS, side="scheduler",
+                                                 skipped="drop_checksums does not apply to a producer's sends",
+                                                 now=time.time(), pid=os.getpid()))
+                    continue
+                self._send_candidates[req_id] = FaultPlan(decision.kind, decision.seed, num_tokens, groups)
+            except Exception:
+                logger.exception("KV checksum drill: deciding the fault of producer request %s failed; no fault.",
+                                 req_id)
+
+    def request_finished(self, request: Request, blocks: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        result = super().request_finished(request, blocks)
+        self._send_finished(request, result[0])
+        return result
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        result = super().request_finished_all_groups(request, block_ids)
+        self._send_finished(request, result[0])
+        return result
+
+    def _send_finished(self, request: Request, delay_free: bool) -> None:
+        """A producer request finished: its planned send fault goes to the
+        workers with the next metadata, only if the connector holds its
+        blocks for the transfer (else they are freed now, and may be
+        another request's by the time the fault would land)."""
+        plan = self._send_candidates.pop(request.request_id, None)
+        if plan is None:
+            return
+        if delay_free and request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
+            self._send_faults[request.request_id] = plan
+        else:
+            self._write(injection_record(request_id=request.request_id, kind=plan.kind, side="scheduler",
+                                         skipped="the connector does not hold the request's blocks for a transfer",
+                                         now=time.time(), pid=os.getpid()))
+
+    def _sends_finishing(self, scheduler_output: SchedulerOutput
+                         ) -> dict[str, tuple[int, dict[int, tuple[int, tuple[int, ...]]]]]:
         """The P/D producer requests whose prompt KV this step finishes
         (their scheduled tokens cross num_prompt_tokens), with the blocks
-        holding the prompt's tokens: digested after this step's forward.
+        holding the prompt's tokens by the checksum scheduler's rule:
+        (num_tokens, group -> (first position, block ids)). Their checksums
+        (and digests) are taken after this step's forward.
 
         Read here from the request and the cache manager: the Scheduler
         advances num_computed_tokens after this hook, and builds the
@@ -718,7 +802,7 @@ class KVChecksumFaultConnector(MultiConnector):
             try:
                 groups = request_blocks(self._kv_cache_manager.get_block_ids(req_id), self._transfer_layouts(), 0,
                                         prompt, self._null_block_id())
-                plans[req_id] = WitnessPlan(prompt, {g: (b.start, tuple(b.block_ids)) for g, b in groups.items()})
+                plans[req_id] = (prompt, {g: (b.start, tuple(b.block_ids)) for g, b in groups.items()})
             except Exception:
                 logger.exception("KV checksum drill: the ground truth of producer request %s failed.", req_id)
         return plans
@@ -818,6 +902,10 @@ class KVChecksumFaultConnector(MultiConnector):
             if self.injects:
                 self._witness_loads.update(connector_metadata.witness_loads)
                 self._witness_sends = dict(connector_metadata.witness_sends)
+                # Held blocks of finished producer requests, checksummed in an
+                # earlier step: nothing of this step writes them.
+                for req_id, plan in sorted(connector_metadata.send_fault_plans.items()):
+                    self._inject(req_id, plan)
             if connector_metadata.stall_s > 0:
                 # A slow consumer: the step's transfers are posted late, and
                 # no heartbeat renews a producer's lease meanwhile.

@@ -10,16 +10,20 @@ groups and block positions that differed.
 `python -m vllm_kvchecksum.where` (where_main) joins a consumer's incident
 lines with its producers' logs and says, per mismatched load, where the KV
 went bad:
-- "released before the read": the producer logged that a decode worker
-  read KV of a request it had already released (vLLM NIXL's "Potentially
-  invalid KV blocks for unrecognized request ... were retrieved", after a
-  lease expiry). The producer's KV changed before the transfer completed.
-- "changed on the producer": the producer checksummed the request's blocks
-  again when the connector reported the transfer complete (before freeing
-  them), and they differed from what it sent: the producer's KV changed
-  before the transfer completed.
-- "intact on the producer": that re-check found the KV as sent, so it went
-  bad in flight or on the consumer.
+- "changed on the producer: released before the read": the producer
+  released the request's blocks while its transfer was still waiting
+  (vLLM NIXL's "Releasing expired KV blocks for request ...": its lease ran
+  out), so the consumer read blocks that may hold another request's KV.
+  NIXL's "Potentially invalid KV blocks for unrecognized request ... were
+  retrieved" alone is no evidence: a consumer whose load failed its check
+  sends one more notification for the request, after the producer freed it
+  on the first.
+- "changed on the producer before the transfer completed": the producer
+  (kv_checksum_producer_recheck) checksummed the request's blocks again
+  when the connector reported the transfer complete, before freeing them,
+  and they differed from what it sent.
+- "intact on the producer: in flight or on the consumer": that re-check
+  found the KV as sent.
 - "producer not re-checked": no producer log says either (none given, the
   re-check is off, or it could not compare).
 - "offloaded": KV loaded back from an offloading tier (no producer).
@@ -49,16 +53,18 @@ MAX_ID_CHARS = 200
 # Block positions written per group; the error log line and the counters have the total.
 MAX_POSITIONS = 256
 
-RELEASED_BEFORE_READ = "released before the read"
-CHANGED_ON_PRODUCER = "changed on the producer"
-INTACT_ON_PRODUCER = "intact on the producer"
+# Both "changed on the producer" places start alike, so one grep finds them.
+RELEASED_BEFORE_READ = "changed on the producer: released before the read"
+CHANGED_ON_PRODUCER = "changed on the producer before the transfer completed"
+INTACT_ON_PRODUCER = "intact on the producer: in flight or on the consumer"
 NOT_RECHECKED = "producer not re-checked"
 OFFLOADED = "offloaded"
 
 logger = logging.getLogger(INCIDENT_LOGGER)
 
-# vLLM NIXL's producer line for a read notification of a request it no longer holds.
-_RELEASED = re.compile(r"Potentially invalid KV blocks for unrecognized request (\S+) were retrieved")
+# vLLM NIXL's producer line when a request's lease runs out before every
+# consumer worker reported its read done: the blocks are freed.
+_RELEASED = re.compile(r"Releasing expired KV blocks for request (\S+) which were retrieved")
 
 
 def outside_id(value: Any) -> str | None:
@@ -140,7 +146,7 @@ def read_incidents(text: str) -> list[dict[str, Any]]:
 
 
 def released_requests(text: str) -> set[str]:
-    """Request ids a producer's log says were read after it had released them."""
+    """Request ids whose blocks a producer's log says it released before their transfer completed."""
     return set(_RELEASED.findall(text))
 
 

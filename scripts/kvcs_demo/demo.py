@@ -44,9 +44,18 @@ from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_tra
                               mooncake_bootstrap, push_target, server_argv, server_env)
 from kvcs_demo.store import STORE_FAULTS, expand_positions
 from kvcs_demo.summary import log, log_ending
+from vllm_kvchecksum import incident
 
+# A producer-side phase: the producer's drill connector flips a bit in a
+# finished request's held KV, after its checksums were sent and before its
+# transfer completes; its re-check must find it (and the consumer's check,
+# when the read comes after the flip).
+PRODUCER_FLIP = "producer_flip_bit"
 FAULT_KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
-               "misplace_block", "change_tail", "drop_checksums")
+               "misplace_block", "change_tail", "drop_checksums", PRODUCER_FLIP)
+# Where a producer's re-check line may still be on its way: the transfer's
+# completion reaches the producer after the consumer's verdict.
+WHERE_WAIT_S = 20.0
 PROMPT_WORDS = 150  # 151 tokens with BOS: 5 blocks of 32, the last one partial (change_tail needs that)
 OUTPUT_TOKENS = 8
 METRIC = "vllm:kv_checksum_"
@@ -211,6 +220,10 @@ class RequestResult:
     timings: dict[str, float] = field(default_factory=dict)
     ok: bool = False
     problem: str = ""
+    # Joined from both servers' incident lines once the setup's phases ran:
+    # where a mismatch happened, and the producer's re-check of this request.
+    where: str | None = None
+    producer_recheck: str | None = None
 
 
 @dataclass
@@ -231,7 +244,11 @@ def judge(res: RequestResult, setup: Setup) -> None:
     problems = []
     if res.phase != "clean" and res.injection is None:
         problems.append("no injection recorded (rate 1)")
-    if res.verdict != res.expected:
+    if res.phase == PRODUCER_FLIP and res.verdict == "verified":
+        # The consumer read before the flip landed: its KV was good. The
+        # producer's re-check must still find the flip (judge_where).
+        pass
+    elif res.verdict != res.expected:
         problems.append(f"verdict {res.verdict} ({res.reason}), expected {res.expected}")
     elif res.phase == "drop_checksums" and res.reason != "no_producer_checksums":
         problems.append(f"unverified for {res.reason}, expected no_producer_checksums")
@@ -265,7 +282,7 @@ def run_request(client: httpx.Client, setup: Setup, proxy: str, phase: str, inde
     # The single-engine reference (the producer's own greedy output), where an
     # output is expected: not for faults that fail the request under "fail".
     reference = None
-    if phase in ("clean", "change_tail") or setup.policy != "fail":
+    if phase in ("clean", "change_tail", PRODUCER_FLIP) or setup.policy != "fail":
         status, ref_body = completion(client, setup.urls["producer"], prompt)
         reference = text_of(ref_body)
     t1 = time.perf_counter()
@@ -279,7 +296,8 @@ def run_request(client: httpx.Client, setup: Setup, proxy: str, phase: str, inde
                "verdict_wait_ms": (t4 - t3) * 1000}
     verdict, reason = verdict_of(delta)
     error = error_of(body) if status != 200 else ""
-    injections = injections_for(setup.injections_path, rid)
+    injections = injections_for(setup.producer_injections_path if phase == PRODUCER_FLIP
+                                else setup.injections_path, rid)
     injection = injections[0] if injections else None
     if status != 200 and "kv_checksum_mismatch" in error:
         reported = positions_from_client_error(error)
@@ -296,12 +314,77 @@ def run_request(client: httpx.Client, setup: Setup, proxy: str, phase: str, inde
 
 
 def set_faults(setup: Setup, kind: str | None) -> None:
-    if setup.control_path is None:
+    """The phase's fault: on the consumer's loads, or (PRODUCER_FLIP) on the producer's sends."""
+    on_producer = kind == PRODUCER_FLIP
+    for path, own in ((setup.control_path, None if on_producer else kind),
+                      (setup.producer_control_path, "flip_bit" if on_producer else None)):
+        if path is None:
+            continue
+        control = {"kinds": [], "rate": 0.0} if own is None else {"kinds": [own], "rate": 1.0}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(control))
+        os.replace(tmp, path)  # atomic: the connector never reads half a file
+
+
+def producer_rechecks(text: str) -> dict[str, tuple[str, dict]]:
+    """A producer log's re-check lines: request id (and transfer id) -> (result, changed positions)."""
+    out = {}
+    for line in incident.read_incidents(text):
+        if line.get("side") == "producer":
+            for key in ("request_id", "transfer_id"):
+                if isinstance(line.get(key), str):
+                    out[line[key]] = (line.get("verdict"), line.get("groups") or {})
+    return out
+
+
+def join_where(setup: Setup, phases: list[PhaseResult]) -> None:
+    """Where each request's KV went bad, from both servers' incident lines, and the judgement of it.
+
+    A fault injected into a load (on the consumer) must read "intact on the
+    producer"; a flip in a held send (PRODUCER_FLIP) must be "changed" in the
+    producer's re-check at the flipped positions, and, where the consumer's
+    check failed too, read "changed on the producer". With checksums, every
+    P/D request must have been re-checked by the producer.
+    """
+    if not setup.checksums:
         return
-    control = {"kinds": [], "rate": 0.0} if kind is None else {"kinds": [kind], "rate": 1.0}
-    tmp = setup.control_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(control))
-    os.replace(tmp, setup.control_path)  # atomic: the connector never reads half a file
+    reqs = [r for ph in phases for r in ph.requests]
+    deadline = time.monotonic() + WHERE_WAIT_S
+    while True:
+        consumer = setup.logs["consumer"].read_text(errors="replace")
+        producer = setup.logs["producer"].read_text(errors="replace")
+        rechecks = producer_rechecks(producer)
+        for r in reqs:
+            r.producer_recheck = next((v for k, (v, _) in rechecks.items() if r.request_id in k), None)
+        if all(r.producer_recheck for r in reqs if r.verdict in ("verified", "mismatch", "unverified")) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    places = {line.get("request_id"): place for line, place in incident.attribute([consumer], [producer])}
+    for r in reqs:
+        r.where = next((place for rid, place in places.items() if isinstance(rid, str) and r.request_id in rid),
+                       None)
+        problems = []
+        if r.verdict == "mismatch" and r.where is None:
+            problems.append("no incident line for the mismatch")
+        elif r.phase == PRODUCER_FLIP and r.injection is not None and not r.injection.get("skipped"):
+            changed = next((groups for k, (v, groups) in rechecks.items() if r.request_id in k and v == "changed"),
+                           None)
+            want = {str(r.injection["group"]): sorted(r.injection["positions"])}
+            if changed != want:
+                problems.append(f"the producer's re-check reported {r.producer_recheck} {changed}, flipped {want}")
+            if r.verdict == "mismatch" and r.where != incident.CHANGED_ON_PRODUCER:
+                problems.append(f"where {r.where!r}, expected {incident.CHANGED_ON_PRODUCER!r}")
+        elif r.verdict == "mismatch" and r.where != incident.INTACT_ON_PRODUCER:
+            problems.append(f"where {r.where!r}, expected {incident.INTACT_ON_PRODUCER!r} (the fault was "
+                            f"injected on the consumer)")
+        elif r.phase != PRODUCER_FLIP and r.producer_recheck not in ("intact", None):
+            problems.append(f"the producer's re-check says {r.producer_recheck}, nothing was injected there")
+        if r.producer_recheck is None and r.verdict in ("verified", "mismatch"):
+            problems.append("the producer wrote no re-check line for the request")
+        if problems:
+            r.problem = "; ".join(filter(None, [r.problem, *problems]))
+            r.ok = False
 
 
 def wait_ready(group: ProcessGroup, servers: list, setup: Setup, t0: float,
@@ -323,6 +406,7 @@ def run_setup(setup: Setup, proxy: str, kinds: list[str], n: int, out: dict, err
     out[setup.name] = phases
     try:
         _run_phases(setup, proxy, kinds, n, phases)
+        join_where(setup, phases)
     except Exception as exc:  # reported as a failure of the setup, never a silent pass
         errors[setup.name] = f"{type(exc).__name__}: {exc}"
         log(f"[{setup.name}] stopped: {errors[setup.name]}")
@@ -448,9 +532,15 @@ def server_specs(setups: list[Setup], device: str, work: Path, python: str) -> d
                 s.control_path = work / f"{s.name}.faults.json"
                 s.injections_path = work / f"{s.name}.injections.jsonl"
                 s.injections_path.write_text("")
-                set_faults(s, None)
-            kv = kv_transfer_config(s, role, device, control_path=s.control_path,
-                                    injections_path=s.injections_path)
+            if role == "kv_producer" and s.faults:
+                s.producer_control_path = work / f"{s.name}.producer-faults.json"
+                s.producer_injections_path = work / f"{s.name}.producer-injections.jsonl"
+                s.producer_injections_path.write_text("")
+            set_faults(s, None)
+            consumer = role == "kv_consumer"
+            kv = kv_transfer_config(s, role, device,
+                                    control_path=s.control_path if consumer else s.producer_control_path,
+                                    injections_path=s.injections_path if consumer else s.producer_injections_path)
             tp = s.producer_tp if side == "producer" else s.consumer_tp
             gpus = list(range(gpu, gpu + tp)) if device == "cuda" else None
             gpu += tp if device == "cuda" else 0
@@ -526,6 +616,7 @@ def build_report(args, setups, results, hostile, ttft, startup, wall, errors=Non
                                 "expected": r.expected, "verdict": r.verdict, "reason": r.reason,
                                 "reported": {str(g): p for g, p in r.reported.items()}, "status": r.status,
                                 "output_equal": r.output_equal, "ok": r.ok, "problem": r.problem,
+                                "where": r.where, "producer_recheck": r.producer_recheck,
                                 "timings_ms": {k: round(v, 1) for k, v in r.timings.items()}}
                                for r in reqs],
             })
@@ -546,10 +637,25 @@ def build_report(args, setups, results, hostile, ttft, startup, wall, errors=Non
     return report
 
 
+# The table's short names of incident.where's answers.
+WHERE_SHORT = {incident.CHANGED_ON_PRODUCER: "changed on P", incident.RELEASED_BEFORE_READ: "released on P",
+               incident.INTACT_ON_PRODUCER: "intact on P", incident.NOT_RECHECKED: "P not re-checked"}
+
+
+def where_column(injections: list[dict]) -> str:
+    """Where the phase's mismatches happened: "2 intact on P", or "-"."""
+    counts: dict[str, int] = {}
+    for i in injections:
+        if i.get("verdict") == "mismatch":
+            name = WHERE_SHORT.get(i.get("where"), i.get("where") or "no line")
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} {name}" for name, n in sorted(counts.items())) or "-"
+
+
 def print_table(report: dict) -> None:
     log("")
-    log(f"{'setup':<16} {'phase':<15} {'reqs':>4} {'verif':>5} {'mism':>5} {'unver':>5} {'detected':>8} "
-        f"{'false':>5} {'out=ref':>7}  positions reported / injected")
+    log(f"{'setup':<16} {'phase':<17} {'reqs':>4} {'verif':>5} {'mism':>5} {'unver':>5} {'detected':>8} "
+        f"{'false':>5} {'out=ref':>7}  {'where (P: producer)':<20} positions reported / injected")
     for s in report["setups"]:
         for ph in s["phases"]:
             m = ph["metrics"]
@@ -564,10 +670,10 @@ def print_table(report: dict) -> None:
                 pos = "tail changed, must verify"
             elif ph["phase"] == "drop_checksums":
                 pos = "checksums dropped, must be unverified"
-            log(f"{s['name']:<16} {ph['phase']:<15} {ph['requests']:>4} {total('loads_verified'):>5} "
+            log(f"{s['name']:<16} {ph['phase']:<17} {ph['requests']:>4} {total('loads_verified'):>5} "
                 f"{total('loads_mismatched'):>5} {total('loads_unverified'):>5} "
                 f"{(f'{detected}/{len(detectable)}' if detectable else '-'):>8} {ph['false_mismatches']:>5} "
-                f"{ph['outputs_equal']}/{ph['outputs']:<5}  {pos}")
+                f"{ph['outputs_equal']}/{ph['outputs']:<5}  {where_column(inj):<20} {pos}")
         for h in s.get("hostile_client", []):
             log(f"{s['name']:<16} {'hostile:' + h['payload']:<24} HTTP {h['status']}, {h['verdict']} ({h['reason']}), "
                 f"next request HTTP {h['next_request_status']}")

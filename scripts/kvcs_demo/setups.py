@@ -64,6 +64,9 @@ class Setup:
     bootstrap_port: int | None = None  # mooncake mode: the producer's bootstrap server
     control_path: Path | None = None
     injections_path: Path | None = None
+    # The producer's drill connector (faults in its held sends, target "sends").
+    producer_control_path: Path | None = None
+    producer_injections_path: Path | None = None
 
     @property
     def fail_closed(self) -> bool:
@@ -134,7 +137,14 @@ def mooncake_bootstrap(setup: Setup) -> str:
 
 def kv_transfer_config(setup: Setup, role: str, device: str, *, control_path: Path | None = None,
                        injections_path: Path | None = None, seed: int = 0) -> dict:
-    """The --kv-transfer-config of one server of the pair."""
+    """The --kv-transfer-config of one server of the pair.
+
+    With checksums the producer re-checks its KV when each transfer completes
+    (kv_checksum_producer_recheck), so every mismatch says where it happened.
+    With faults both servers wrap their connector in the drill connector: the
+    consumer's faults hit loaded KV, the producer's (target "sends") hit the
+    KV of a finished request while its transfer runs.
+    """
     nixl = {"kv_connector": CONNECTORS[setup.mode], "kv_role": role}  # the transfer connector (NIXL or not)
     if setup.mode == "mooncake":
         # No kv_buffer_device: MooncakeConnector does not read it (it
@@ -149,8 +159,13 @@ def kv_transfer_config(setup: Setup, role: str, device: str, *, control_path: Pa
         fail_closed, policy = POLICIES[setup.policy]
         config.update(enable_kv_checksum=True, kv_checksum_fail_closed=fail_closed,
                       kv_load_failure_policy=policy)
-    if role == "kv_consumer" and setup.faults:
+        if role == "kv_producer":
+            config["kv_checksum_producer_recheck"] = True
+    # A producer's drill is judged by its re-check: only with checksums.
+    if setup.faults and (role == "kv_consumer" or setup.checksums):
         faults = {"kinds": "all", "rate": 0.0, "seed": seed}
+        if role == "kv_producer":
+            faults["target"] = "sends"
         if control_path is not None:
             faults["control_path"] = str(control_path)
         if injections_path is not None:

@@ -273,6 +273,11 @@ def kv_config(role: str, witness: Path | None, args, control: Path | None = None
               "kv_connector_extra_config": {"connectors": [child], "kv_checksum_faults": drill}}
     if checksums:
         config.update(enable_kv_checksum=True, kv_checksum_fail_closed=True)
+        if role == "kv_producer":
+            # Every transfer's completion re-checks the producer's blocks:
+            # where a victim went bad, and, as the soak changes no producer
+            # KV, a false-alarm check of the re-check itself.
+            config["kv_checksum_producer_recheck"] = True
     if mode == "push" and role == "kv_producer" and setup is not None:
         config["engine_id"] = producer_engine_id(setup)  # the consumers register with it by this id
     return config
@@ -557,6 +562,25 @@ def judge_where(report: dict, mode: str) -> None:
     report["ok"] = not report["failures"]
 
 
+def producer_rechecks(producer_log: Path) -> dict[str, int]:
+    """The producer's re-check lines (vllm_kvchecksum.incident) by result: intact, changed, not_rechecked."""
+    return dict(Counter(str(line.get("verdict")) for line in
+                        incident.read_incidents(producer_log.read_text(errors="replace"))
+                        if line.get("side") == "producer"))
+
+
+def judge_rechecks(report: dict, rechecks: dict[str, int], sent: int, died: bool) -> None:
+    """No producer re-check finds changed KV (the soak changes none), and,
+    unless the producer was killed, every send was re-checked once."""
+    report["producer_rechecks"] = rechecks
+    if rechecks.get("changed"):
+        report["failures"].append(f"the producer's re-check found its KV changed {rechecks['changed']} times, "
+                                  f"but the soak changes no producer KV (false alarms)")
+    if not died and sum(rechecks.values()) != sent:
+        report["failures"].append(f"{sum(rechecks.values())} producer re-checks {rechecks} for {sent} sends")
+    report["ok"] = not report["failures"]
+
+
 def build_report(args, answers, planned, counts, truths, started, alive, rss, wall, death=None,
                  held=None) -> dict:
     consumer, producer = counts["consumer"], counts["producer"]
@@ -661,6 +685,8 @@ def print_table(report: dict) -> None:
         ("false mismatches", f"{len(d['false_alarms'])} on {d['clean']} clean loads"),
         ("where (victims)", ", ".join(f"{n} {k}" for k, n in sorted((report.get("where") or {}).items()))
          or "no victim caught"),
+        ("producer re-checks", ", ".join(f"{n} {k}" for k, n in sorted((report.get("producer_rechecks") or {}).items()))
+         or "none"),
         ("consumer counters", f"started {c['loads_started']} = verified {c['loads_verified']} + mismatched "
                               f"{c['loads_mismatched']} + unverified {c['loads_unverified']} + not compared "
                               f"{c['loads_not_compared']} (difference {c['difference']})"),
@@ -817,6 +843,8 @@ def main(argv=None) -> int:
         alive = {side: m.returncode is None for side, m in servers.items()}
         with httpx.Client(trust_env=False) as client:
             held = held_state({side: setup.urls[side] for side in servers if alive[side]}, client)
+        # Drained (held_state): every transfer's re-check is in the log.
+        rechecks = producer_rechecks(setup.logs["producer"])
         timeline = sampler.stop()
         # The ground truth of the run, before the cost phase adds loads of its own.
         sends = truth.read_lines(work / "producer.witness.jsonl")
@@ -834,6 +862,7 @@ def main(argv=None) -> int:
                           death, held)
     report["where"] = where_of_victims(truths, setup.logs["consumer"], setup.logs["producer"])
     judge_where(report, args.mode)
+    judge_rechecks(report, rechecks, int(counts["producer"].get("sent", 0)), death is not None)
     report["cost"] = cost
     report["timeline"] = timeline
     report["latencies"] = latencies(answers, cost)

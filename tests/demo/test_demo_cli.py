@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvcs_demo import demo, prom
+from vllm_kvchecksum import incident
 from kvcs_demo.demo import (FAULT_KINDS, PhaseResult, RequestResult, build_report, checksum_counts, choose_setups,
                             diff, expected_verdict, injections_for, judge, loads_in, parse_args,
                             positions_from_client_error, positions_from_log, print_table, verdict_of)
@@ -27,7 +28,7 @@ from kvcs_demo.setups import (BLOCK_SIZE, CPU_SITE, MAX_MODEL_LEN, MODES, ROOT, 
                               server_argv, server_env)
 
 ALL_KINDS = ["flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
-             "misplace_block", "change_tail", "drop_checksums"]
+             "misplace_block", "change_tail", "drop_checksums", "producer_flip_bit"]
 FAKE_MODELS = {"llama": Path("/fake/tiny-llama"), "gemma2": Path("/fake/tiny-gemma2")}
 
 
@@ -241,11 +242,24 @@ def test_kv_config_cpu_consumer_with_faults(tmp_path, mode, policy, fail_closed,
     json.dumps(cfg)  # it goes on a command line
 
 
-def test_kv_config_cpu_producer_is_plain_nixl():
+def drill_producer(child: dict, **top) -> dict:
+    """A checksummed producer's config: it re-checks its sends, and its
+    connector is wrapped in the drill connector, faults on its sends off."""
+    return {"kv_connector": "KVChecksumFaultConnector", "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
+            "kv_role": "kv_producer", **top, "kv_checksum_producer_recheck": True,
+            "kv_connector_extra_config": {"connectors": [child], "kv_checksum_faults": {
+                "kinds": "all", "rate": 0.0, "seed": 0, "target": "sends"}}}
+
+
+def test_kv_config_cpu_producer_rechecks_and_wraps_the_drill():
     cfg = kv_transfer_config(Setup("x", Path("/m"), policy="recompute"), "kv_producer", "cpu")
-    assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
-                   "enable_kv_checksum": True, "kv_checksum_fail_closed": True,
-                   "kv_load_failure_policy": "recompute"}
+    assert cfg == drill_producer({"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                                  "kv_buffer_device": "cpu"},
+                                 kv_buffer_device="cpu", enable_kv_checksum=True, kv_checksum_fail_closed=True,
+                                 kv_load_failure_policy="recompute")
+    # Without faults, the producer's connector is the plain one.
+    cfg = kv_transfer_config(Setup("x", Path("/m"), faults=False), "kv_producer", "cpu")
+    assert cfg["kv_connector"] == "NixlConnector" and cfg["kv_checksum_producer_recheck"] is True
 
 
 def test_kv_config_checksums_off():
@@ -399,10 +413,10 @@ def test_choose_setups_gives_every_setup_the_mode(fake_make_models, mode):
 def test_kv_config_push_producer_has_its_engine_id():
     s = Setup("llama", Path("/m"), policy="fail", mode="push")
     assert producer_engine_id(s) == "kvcs-demo-llama-producer"
-    assert kv_transfer_config(s, "kv_producer", "cpu") == {
-        "kv_connector": "NixlPushConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
-        "engine_id": "kvcs-demo-llama-producer", "enable_kv_checksum": True, "kv_checksum_fail_closed": True,
-        "kv_load_failure_policy": "fail"}
+    assert kv_transfer_config(s, "kv_producer", "cpu") == drill_producer(
+        {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"},
+        kv_buffer_device="cpu", engine_id="kvcs-demo-llama-producer", enable_kv_checksum=True,
+        kv_checksum_fail_closed=True, kv_load_failure_policy="fail")
 
 
 def test_kv_config_push_baseline_and_cuda():
@@ -483,9 +497,8 @@ def test_start_proxy_argv(tmp_path, mode):
 def test_kv_config_mooncake_producer(device):
     s = Setup("llama", Path("/m"), policy="fail", mode="mooncake")
     # No engine id (the proxy asks the bootstrap server), no kv_buffer_device.
-    assert kv_transfer_config(s, "kv_producer", device) == {
-        **MOONCAKE_PRODUCER, "enable_kv_checksum": True, "kv_checksum_fail_closed": True,
-        "kv_load_failure_policy": "fail"}
+    assert kv_transfer_config(s, "kv_producer", device) == drill_producer(
+        MOONCAKE_PRODUCER, enable_kv_checksum=True, kv_checksum_fail_closed=True, kv_load_failure_policy="fail")
 
 
 def test_kv_config_mooncake_baseline():
@@ -532,7 +545,9 @@ def test_server_specs_mooncake_gives_each_producer_its_bootstrap_port(tmp_path):
         assert prod.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == str(s.bootstrap_port)
         assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in cons.env
         assert prod.env["VLLM_HOST_IP"] == cons.env["VLLM_HOST_IP"] == "127.0.0.1"
-        assert json.loads(flag(prod.argv, "--kv-transfer-config"))["kv_connector"] == "MooncakeConnector"
+        kv = json.loads(flag(prod.argv, "--kv-transfer-config"))
+        assert kv.get("kv_connector_extra_config", {}).get("connectors", [kv])[0]["kv_connector"] == \
+            "MooncakeConnector"
         assert json.loads(flag(cons.argv, "--kv-transfer-config"))["kv_connector_extra_config"][
             "connectors"] == [MOONCAKE_CONSUMER]
         ports += [prod.port, cons.port, s.bootstrap_port]
@@ -897,7 +912,7 @@ def test_build_report_schema_and_values():
         "request_id": "demo.llama.flip_bit.000.r", "kind": "flip_bit", "group": 0, "positions": [3, 1],
         "block_ids": [11, 13], "skipped": None, "expected": "mismatch", "verdict": "mismatch", "reason": None,
         "reported": {"0": [1, 3]}, "status": 503, "output_equal": None, "ok": True, "problem": "",
-        "timings_ms": {}}]
+        "where": None, "producer_recheck": None, "timings_ms": {}}]
 
 
 def test_build_report_failures():
@@ -966,3 +981,72 @@ def test_out_dir_keeps_files_that_are_not_the_demos(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         demo.main(["--out", str(tmp_path)])
     assert keep.exists() and not old.exists()
+
+
+# -- where each mismatch happened (join_where) ---------------------------------
+
+def incident_log(*lines: dict) -> str:
+    return "".join(f"(EngineCore pid=1) ERROR 12-05 01:00:00 [incident.py:1] {incident.INCIDENT_MARK}"
+                   f"{json.dumps(line)}\n" for line in lines)
+
+
+def consumer_line(request_id: str, positions=(1, 3)) -> dict:
+    return {"side": "consumer", "verdict": "mismatch", "source": "producer", "request_id": f"cmpl-{request_id}-0",
+            "remote_request_id": f"{request_id}-p", "remote_engine_id": "P", "groups": {"0": list(positions)}}
+
+
+def producer_line(request_id: str, verdict: str, positions=()) -> dict:
+    return {"side": "producer", "verdict": verdict, "request_id": f"{request_id}-p", "transfer_id": None,
+            "engine_id": "P", "groups": {"0": list(positions)} if positions else {}}
+
+
+def joined(tmp_path, monkeypatch, res: RequestResult, consumer: list[dict], producer: list[dict]) -> RequestResult:
+    monkeypatch.setattr(demo, "WHERE_WAIT_S", 0.0)
+    setup = Setup("x", Path("/m"), policy="open")
+    for side, lines in (("consumer", consumer), ("producer", producer)):
+        setup.logs[side] = tmp_path / f"{side}.log"
+        setup.logs[side].write_text(incident_log(*lines))
+    res.ok, res.problem = True, ""
+    demo.join_where(setup, [PhaseResult(res.phase, [res])])
+    return res
+
+
+def test_a_consumer_fault_is_intact_on_the_producer(tmp_path, monkeypatch):
+    r = result()
+    r = joined(tmp_path, monkeypatch, r, [consumer_line(r.request_id)], [producer_line(r.request_id, "intact")])
+    assert (r.ok, r.where, r.producer_recheck) == (True, incident.INTACT_ON_PRODUCER, "intact")
+    # A producer that says its KV changed, where nothing was injected there, is a failure.
+    r = joined(tmp_path, monkeypatch, result(), [consumer_line(r.request_id)],
+               [producer_line(r.request_id, "changed", (1,))])
+    assert not r.ok and "expected 'intact on the producer" in r.problem
+    # So is a verified load the producer never re-checked.
+    r = joined(tmp_path, monkeypatch, result("clean", verdict="verified", injection=None), [], [])
+    assert not r.ok and "no re-check line" in r.problem
+    # And a mismatch with no incident line.
+    r = joined(tmp_path, monkeypatch, result(), [], [producer_line(r.request_id, "intact")])
+    assert not r.ok and "no incident line" in r.problem
+
+
+def test_a_producer_flip_is_changed_on_the_producer(tmp_path, monkeypatch):
+    inj = {"kind": "flip_bit", "group": 0, "positions": [3], "skipped": None, "expect": "mismatch"}
+    r = result(demo.PRODUCER_FLIP, injection=inj, reported={0: [3]})
+    r = joined(tmp_path, monkeypatch, r, [consumer_line(r.request_id, (3,))],
+               [producer_line(r.request_id, "changed", (3,))])
+    assert (r.ok, r.where) == (True, incident.CHANGED_ON_PRODUCER), r.problem
+    # The consumer read before the flip: verified, and still changed on the producer.
+    r = joined(tmp_path, monkeypatch, result(demo.PRODUCER_FLIP, injection=inj, verdict="verified"), [],
+               [producer_line(r.request_id, "changed", (3,))])
+    assert (r.ok, r.where) == (True, None), r.problem
+    # A re-check that misses the flip, or names other blocks, fails.
+    for line in (producer_line(r.request_id, "intact"), producer_line(r.request_id, "changed", (2,))):
+        r = joined(tmp_path, monkeypatch, result(demo.PRODUCER_FLIP, injection=inj, reported={0: [3]}),
+                   [consumer_line(r.request_id, (3,))], [line])
+        assert not r.ok and "the producer's re-check reported" in r.problem
+
+
+def test_the_table_has_a_where_column(capsys):
+    args, setups, results, hostile, ttft, startup, wall = report_inputs()
+    results["llama"][1].requests[0].where = incident.INTACT_ON_PRODUCER
+    print_table(build_report(args, setups, results, hostile, ttft, startup, wall))
+    row = next(r for r in table_rows(capsys.readouterr().out, "llama") if r[1] == "flip_bit")
+    assert row[9:12] == ["1", "intact", "on"]

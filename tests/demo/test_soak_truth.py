@@ -296,7 +296,9 @@ def test_where_each_caught_victim_happened(tmp_path):
     consumer, producer = tmp_path / "consumer.log", tmp_path / "producer.log"
     consumer.write_text("\n".join(incident.INCIDENT_MARK + json.dumps(incident.incident_record(**dict(record, **c)))
                                   for c in ({}, {"request_id": "cmpl-soak-2-x", "remote_request_id": "p-2"})))
-    producer.write_text("Potentially invalid KV blocks for unrecognized request p-1 were retrieved by a decode worker")
+    producer.write_text("Releasing expired KV blocks for request p-1 which were retrieved by 0 remote worker(s) before "
+                        "lease expired.\nPotentially invalid KV blocks for unrecognized request p-2 were retrieved by a "
+                        "decode worker")
     truths = [truth.LoadTruth("cmpl-soak-1-x", "victim", verdict="mismatch"),
               truth.LoadTruth("cmpl-soak-2-x", "victim", verdict="mismatch"),
               truth.LoadTruth("cmpl-soak-3-x", "victim", verdict="mismatch"),
@@ -313,3 +315,30 @@ def test_where_each_caught_victim_happened(tmp_path):
     assert not judged(where, "push")["ok"]  # a victim without an incident line, in any mode
     assert not judged({incident.RELEASED_BEFORE_READ: 1, incident.NOT_RECHECKED: 1}, "pull")["ok"]
     assert judged({incident.NOT_RECHECKED: 2}, "push")["ok"]
+
+
+def test_the_producers_rechecks_are_counted_and_judged(tmp_path):
+    import json
+
+    from vllm_kvchecksum import incident
+
+    def line(verdict, rid):
+        return incident.INCIDENT_MARK + json.dumps(incident.producer_record(
+            request_id=rid, transfer_id=None, result=verdict, groups={0: [1]} if verdict == "changed" else {},
+            engine_id="p", connector="NixlConnector", carrier="kv_transfer_params", tp_size=1, pp_size=1,
+            block_sizes={0: 32}, reason="", now=0.0))
+
+    log = tmp_path / "producer.log"
+    log.write_text("\n".join([line("intact", "a"), line("intact", "b"), "other line", line("not_rechecked", "c")]))
+    rechecks = soak.producer_rechecks(log)
+    assert rechecks == {"intact": 2, "not_rechecked": 1}
+
+    def judged(rechecks, sent, died=False):
+        report = {"failures": [], "ok": True}
+        soak.judge_rechecks(report, rechecks, sent, died)
+        return report
+
+    assert judged(rechecks, 3)["ok"] and judged(rechecks, 3)["producer_rechecks"] == rechecks
+    assert not judged(rechecks, 4)["ok"]  # a send never re-checked
+    assert judged(rechecks, 4, died=True)["ok"]  # ... unless the producer was killed
+    assert "false alarms" in judged({"intact": 2, "changed": 1}, 3)["failures"][0]

@@ -82,14 +82,14 @@ class StubLoadConnector(KVConnectorBase_V1, SupportsHMA):
 
 def fault_config(role: str = "kv_consumer", block_size: int = 16, *, faults_cfg=None, connectors=None,
                  enable: bool = True, fail_closed: bool = False, policy: str = "fail", tp: int = 1,
-                 pp: int = 1) -> VllmConfig:
+                 pp: int = 1, **kw) -> VllmConfig:
     """pd_harness.make_config, with the fault connector wrapping `connectors`."""
     extra = {"connectors": [NIXL] if connectors is None else connectors}
     if faults_cfg is not None:
         extra["kv_checksum_faults"] = faults_cfg
     return pd_harness.make_config(role, tp, pp, block_size, enable=enable, fail_closed=fail_closed, policy=policy,
                                   connector="KVChecksumFaultConnector", connector_extra=extra,
-                                  connector_module_path="vllm_kvchecksum.fault_connector")
+                                  connector_module_path="vllm_kvchecksum.fault_connector", **kw)
 
 
 @pytest.fixture
@@ -135,6 +135,8 @@ def test_good_config_parses():
         "control_path": "/tmp/c.json"}})
     assert s == fc.FaultSettings(("flip_bit", "swap_blocks"), 0.25, 7, "/tmp/x.jsonl", "/tmp/c.json")
     assert fc.parse_fault_settings({"kv_checksum_faults": {"position": 3}}).position == 3
+    assert fc.parse_fault_settings({"kv_checksum_faults": {"target": "sends"}}).target == "sends"
+    assert fc.parse_fault_settings({}).target == "loads"
     assert fc.parse_fault_settings({"kv_checksum_faults": {"kinds": "all"}}).kinds == fc.KNOWN_KINDS
     assert set(fc.KNOWN_KINDS) == set(faults.FAULT_KINDS) | {"drop_checksums"}
     # Defaults: every kind, every load, seed 0, no files.
@@ -157,6 +159,8 @@ def test_good_config_parses():
     ({"position": -1}, "kv_checksum_faults.position"),
     ({"position": 1.0}, "kv_checksum_faults.position"),
     ({"position": True}, "kv_checksum_faults.position"),
+    ({"target": "send"}, "kv_checksum_faults.target"),
+    ({"target": None}, "kv_checksum_faults.target"),
 ])
 def test_bad_settings_name_the_key(section, key):
     with pytest.raises(ValueError, match=key):

@@ -75,15 +75,19 @@ def test_the_join_names_a_read_after_release_on_the_producer(caplog, tmp_path, c
     consumer_log.write_text("\n".join(f"(EngineCore pid=1) ERROR 12-05 01:00:00 [scheduler.py:1] {r.getMessage()}"
                                       for r in caplog.records if r.name == incident.INCIDENT_LOGGER))
     producer_log = tmp_path / "producer.log"
-    # vLLM NIXL's line when a decode worker's read notification names a request it released.
-    producer_log.write_text(f"(EngineCore pid=2) ERROR 12-05 01:00:00 [pull_worker.py:667] Potentially invalid KV "
-                            f"blocks for unrecognized request {reads[0]} were retrieved by a decode worker. They "
+    # vLLM NIXL's line when a request's lease runs out before its read; the
+    # second request's notification after its release alone is no evidence.
+    producer_log.write_text(f"(Worker pid=2) WARNING 12-05 01:00:00 [base_worker.py:3033] Releasing expired KV "
+                            f"blocks for request {reads[0]} which were retrieved by 0 remote worker(s) before lease "
+                            f"expired.\n"
+                            f"(Worker pid=2) ERROR 12-05 01:00:00 [pull_worker.py:667] Potentially invalid KV "
+                            f"blocks for unrecognized request {reads[1]} were retrieved by a decode worker. They "
                             f"may have expired.\n")
     rows = incident.attribute([consumer_log.read_text()], [producer_log.read_text()])
     assert [place for _, place in rows] == [incident.RELEASED_BEFORE_READ, incident.NOT_RECHECKED]
     assert incident.where_main(["--consumer", str(consumer_log), "--producer", str(producer_log)]) == 0
     out = capsys.readouterr().out
-    assert "2 mismatches: 1 producer not re-checked, 1 released before the read" in out
+    assert "2 mismatches: 1 changed on the producer: released before the read, 1 producer not re-checked" in out
     incident.where_main(["--consumer", str(consumer_log), "--json"])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["where"] for x in lines] == [incident.NOT_RECHECKED] * 2

@@ -12,10 +12,13 @@ after the checksums were sent and before the completion is reported as
 from __future__ import annotations
 
 import functools
+import json
 import logging
 
+import pd_harness
 import pytest
-from pd_harness import (CONNECTORS, carrier_maker, load, make_side, prefill, prompt_of, stats)
+from pd_harness import (CONNECTORS, carrier_maker, forward_of, load, make_request, make_side, prefill, prompt_of,
+                        stats)
 
 from vllm_kvchecksum import incident, metrics
 
@@ -203,3 +206,78 @@ def test_the_config_key():
                             kv_checksum_producer_recheck=True).kv_checksum_producer_recheck is True
     with pytest.raises(ValueError, match="kv_checksum_producer_recheck=True needs enable_kv_checksum=True"):
         KVTransferConfig(**nixl, kv_checksum_producer_recheck=True)
+
+
+# -- the drill connector's faults on a producer's sends (target "sends") ------
+
+@pytest.fixture
+def send_drill(monkeypatch, tmp_path):
+    """A producer whose scheduler runs the drill connector (target "sends",
+    wrapping NixlConnector) and the drill's worker half over its worker's
+    caches (wrapping a stand-in child); a plain consumer."""
+    import test_fault_connector as tfc
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    log = tmp_path / "injections.jsonl"
+    cfg = {"kinds": ["flip_bit"], "rate": 1.0, "seed": 3, "log_path": str(log), "target": "sends"}
+    plain = pd_harness.make_config
+
+    def make_config(role, tp, pp, block_size, **kw):
+        if role != "kv_producer" or "connector_extra" in kw:  # (fault_config's own call)
+            return plain(role, tp, pp, block_size, **kw)
+        kw.pop("connector", None)
+        return tfc.fault_config(role, block_size, faults_cfg=cfg, tp=tp, pp=pp, **kw)
+
+    monkeypatch.setattr(pd_harness, "make_config", make_config)
+    P = make_side("kv_producer", producer_recheck=True)
+    C = make_side("kv_consumer")
+    worker_half = tfc.create(tfc.fault_config(faults_cfg=cfg, connectors=[tfc.STUB]), KVConnectorRole.WORKER,
+                             P.scheduler.kv_cache_config)
+    worker_half.register_kv_caches(P.workers[0].caches)
+    return P, C, worker_half, log
+
+
+def test_a_drill_fault_in_a_held_send_is_found_by_both_sides(send_drill, caplog):
+    P, C, worker_half, log = send_drill
+    preq, params = prefill(P, prompt_of(PROMPT))
+    # The step after the request finished carries the fault to the workers.
+    out, _ = P.step()
+    assert set(out.kv_connector_metadata.send_fault_plans) == {preq.request_id}
+    worker_half.bind_connector_metadata(out.kv_connector_metadata)
+    [record] = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["request_id"] == preq.request_id and record["expect"] == "mismatch"
+    load(C, P, preq, params)
+    assert stats(C) == {"mismatch": 1}
+    complete(P, preq)
+    [line] = incidents(caplog, "producer")
+    assert line["verdict"] == "changed" and line["groups"] == {str(record["group"]): record["positions"]}
+    log_text = "\n".join(r.getMessage() for r in caplog.records if r.name == incident.INCIDENT_LOGGER)
+    [(consumer_line, place)] = incident.attribute([log_text], [log_text])
+    assert place == incident.CHANGED_ON_PRODUCER
+    assert consumer_line["groups"] == line["groups"]
+
+
+def test_a_send_fault_is_planned_only_for_blocks_held_for_a_transfer(send_drill, monkeypatch):
+    P, C, worker_half, log = send_drill
+    connector = P.scheduler.connector
+    # Only the child's answer changes: the drill's own hook still runs after it.
+    monkeypatch.setattr(type(connector.sub_connectors[0]), "request_finished_all_groups",
+                        lambda self, request, block_ids: (False, None))
+    preq, _ = prefill_no_params(P)
+    out, _ = P.step()
+    assert not out.kv_connector_metadata.send_fault_plans
+    [record] = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["request_id"] == preq.request_id and record["skipped"] and record["expect"] == "verified"
+
+
+def prefill_no_params(P):
+    """A producer request run to its end, when its connector returns no kv_transfer_params."""
+    req = make_request(prompt_of(PROMPT), remote_decode=True, block_size=P.block_size)
+    P.scheduler.add_request(req)
+    forward = forward_of(P, req)
+    for _ in range(8):
+        P.step(forward=forward)
+        if req.is_finished():
+            return req, None
+    raise AssertionError("the producer request did not finish")

@@ -52,17 +52,52 @@ def test_emit_never_raises(caplog):
     assert any("incident line of request 'c-9'" in r.getMessage() for r in caplog.records)
 
 
+EXPIRED = ("WARNING [base_worker.py:3033] Releasing expired KV blocks for request {} which were retrieved by 0 "
+           "remote worker(s) before lease expired.\n")
+UNRECOGNIZED = ("ERROR [pull_worker.py:667] Potentially invalid KV blocks for unrecognized request {} were "
+                "retrieved by a decode worker. They may have expired.\n")
+
+
 def test_where_each_mismatch_happened():
-    released = incident.released_requests(
-        "ERROR [pull_worker.py:667] Potentially invalid KV blocks for unrecognized request p-1 were retrieved by "
-        "a decode worker. They may have expired.\nPotentially invalid KV blocks for unrecognized request p-2 were "
-        "retrieved\n")
+    released = incident.released_requests(EXPIRED.format("p-1") + UNRECOGNIZED.format("p-1") + EXPIRED.format("p-2")
+                                          + UNRECOGNIZED.format("p-4"))
+    # A notification for a request already freed, with no expiry, is a repeated notification, not a release.
     assert released == {"p-1", "p-2"}
     assert incident.where(record(), released) == incident.RELEASED_BEFORE_READ
     assert incident.where(record(remote_request_id="p-3"), released) == incident.NOT_RECHECKED
+    assert incident.where(record(remote_request_id="p-4"), released) == incident.NOT_RECHECKED
     # A load that named no producer request is never matched (not even with a None in the set).
     assert incident.where(record(remote_request_id=None), released | {None}) == incident.NOT_RECHECKED
     assert incident.where(record(source="offloaded"), released) == incident.OFFLOADED
+
+
+def test_where_with_the_producers_rechecks():
+    rechecked = {("p-1", "e"): "changed", ("p-2", "e"): "intact", ("p-3", "other"): "intact",
+                 ("p-5", "e1"): "changed", ("p-5", "e2"): "intact", ("p-6", "e"): "not_rechecked"}
+    assert incident.where(record(), set(), rechecked) == incident.CHANGED_ON_PRODUCER
+    assert incident.where(record(remote_request_id="p-2"), set(), rechecked) == incident.INTACT_ON_PRODUCER
+    # A release before the read comes first: the re-check at the lease's expiry ran before the read.
+    assert incident.where(record(remote_request_id="p-2"), {"p-2"}, rechecked) == incident.RELEASED_BEFORE_READ
+    # The engine the load named need not be the producer's id for it (a router's name): one match is enough...
+    assert incident.where(record(remote_request_id="p-3"), set(), rechecked) == incident.INTACT_ON_PRODUCER
+    assert incident.where(record(remote_request_id="p-3", remote_engine_id=None), set(), rechecked) == \
+        incident.INTACT_ON_PRODUCER
+    # ... but two producers with that request id and other engines cannot be told apart.
+    assert incident.where(record(remote_request_id="p-5"), set(), rechecked) == incident.NOT_RECHECKED
+    assert incident.where(record(remote_request_id="p-5", remote_engine_id="e2"), set(), rechecked) == \
+        incident.INTACT_ON_PRODUCER
+    assert incident.where(record(remote_request_id="p-6"), set(), rechecked) == incident.NOT_RECHECKED
+    assert incident.where(record(remote_request_id="p-7"), set(), rechecked) == incident.NOT_RECHECKED
+
+
+def test_a_producer_line_is_found_by_its_transfer_id_too():
+    line = incident.producer_record(request_id="p-1-prefill", transfer_id="xfer-1", result="changed",
+                                    groups={0: [2]}, engine_id="e", connector="MooncakeConnector", carrier="connector",
+                                    tp_size=1, pp_size=1, block_sizes={0: 16}, reason="", now=0.0)
+    text = "INFO " + incident.INCIDENT_MARK + json.dumps(line)
+    assert incident.rechecks(text) == {("p-1-prefill", "e"): "changed", ("xfer-1", "e"): "changed"}
+    # Consumer lines in a producer's log are not re-checks.
+    assert incident.rechecks(incident.INCIDENT_MARK + json.dumps(record())) == {}
 
 
 def test_attribute_keeps_mismatches_only():
