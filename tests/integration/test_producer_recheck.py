@@ -281,3 +281,19 @@ def prefill_no_params(P):
         if req.is_finished():
             return req, None
     raise AssertionError("the producer request did not finish")
+
+
+def test_blocks_freed_at_once_leave_nothing_to_recheck(monkeypatch):
+    """A connector that returns the checksums but does not hold the blocks
+    (delay_free False): the Scheduler frees them when the request finishes,
+    and nothing of the send stays behind (no finished_sending will come)."""
+    P, C = make_side("kv_producer", producer_recheck=True), make_side("kv_consumer")
+    connector = type(P.scheduler.connector)
+    real = connector.request_finished_all_groups
+    monkeypatch.setattr(connector, "request_finished_all_groups",
+                        lambda self, request, block_ids: (False, real(self, request, block_ids)[1]))
+    preq, params = prefill(P, prompt_of(PROMPT))
+    assert "kv_checksums" in params and preq.request_id not in P.scheduler.requests
+    P.step()
+    assert P.scheduler.kv_checksum.gauges()[metrics.SENDS_IN_FLIGHT] == 0
+    assert not any(k.startswith("producer_") for k in P.reported_metrics)
