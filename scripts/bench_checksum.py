@@ -11,7 +11,9 @@
     filesystem offload tier's) over the same bytes in the same run, and
     against two other ways to compute the same sums (multiply-and-sum, and
     matrix-vector products), asserted equal; with the path's two costs
-    apart (the gather alone, the two sums alone); and, where gcc is found,
+    apart (the gather alone, the two sums alone); against a copy of the
+    same blocks (the least a transfer of them does, the baseline of a
+    producer's re-check, which is one more checksum call per transfer); and, where gcc is found,
     against a single-pass C prototype of the same sums
     (scripts/bench_fused_cpu.c, built for this CPU at bench time; not part
     of the package), asserted equal.
@@ -312,6 +314,9 @@ def bench_cpu(quick: bool, threads: int) -> Table:
         ("alt: gather, multiply, sum", lambda: alternatives["mul_sum"](shuffled, t0)),
         ("alt: gather, 2 x mv", lambda: alternatives["mv"](shuffled, t0)),
         ("part: the gather alone, shuffled", lambda: gather_only(shuffled)),
+        # The least a transfer of these blocks does: read and write every byte
+        # (a producer's re-check costs one "checksums" call per transfer).
+        ("transfer floor: copy of the blocks", lambda: [torch.index_select(t, 0, shuffled) for t in (k, v)]),
         ("part: the two sums alone, in place", sums_only),
     ]
     if fused is not None:

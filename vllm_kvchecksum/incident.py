@@ -150,16 +150,46 @@ def released_requests(text: str) -> set[str]:
     return set(_RELEASED.findall(text))
 
 
+# vLLM ends each request id with "-" and 8 random hex digits
+# (input_processor.assign_request_id); NIXL push pairs a producer's request
+# with its consumer's by the id without them (nixl/utils.get_base_request_id),
+# so a push consumer names no producer id a producer logs, only that pairing.
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+# Marks a base id among the keys of `rechecks` (never part of a request id).
+_BASE = "\x00base:"
+
+
+def base_request_id(request_id: str) -> str:
+    """A vLLM request id without its random suffix, as NIXL push pairs the two sides."""
+    return _RANDOM_SUFFIX.sub("", request_id)
+
+
 def rechecks(text: str) -> dict[tuple[str, str | None], str]:
-    """A producer log's re-checks: (request id or transfer id, engine id) -> "intact" / "changed" / "not_rechecked"."""
+    """A producer log's re-checks: (id, engine id) -> "intact" / "changed" / "not_rechecked".
+
+    Each is keyed by its request id, its transfer id, and its request id's
+    base (NIXL push's pairing, marked so it never equals an id).
+    """
     out = {}
     for record in read_incidents(text):
         if record.get("side") != "producer":
             continue
+        verdict, engine = str(record.get("verdict")), record.get("engine_id")
         for key in ("request_id", "transfer_id"):
             if isinstance(record.get(key), str):
-                out[(record[key], record.get("engine_id"))] = str(record.get("verdict"))
+                out[(record[key], engine)] = verdict
+        if isinstance(record.get("request_id"), str):
+            out[(_BASE + base_request_id(record["request_id"]), engine)] = verdict
     return out
+
+
+def _recheck_of(rechecked: Mapping[tuple[str, str | None], str], key: str, engine: Any) -> str | None:
+    """The re-check logged under `key`: the named engine's, else the only one."""
+    result = rechecked.get((key, engine)) if engine is not None else None
+    if result is None:
+        matches = {v for (rid, _), v in rechecked.items() if rid == key}
+        result = matches.pop() if len(matches) == 1 else None
+    return result
 
 
 def where(incident: Mapping[str, Any], released: set[str],
@@ -178,12 +208,13 @@ def where(incident: Mapping[str, Any], released: set[str],
     if remote in released:
         return RELEASED_BEFORE_READ
     rechecked = rechecked or {}
-    engine = incident.get("remote_engine_id")
     # The consumer names the producer's engine when its connector does.
-    result = rechecked.get((remote, engine)) if engine is not None else None
-    if result is None:
-        matches = {v for (rid, _), v in rechecked.items() if rid == remote}
-        result = matches.pop() if len(matches) == 1 else None
+    engine = incident.get("remote_engine_id")
+    result = _recheck_of(rechecked, remote, engine)
+    own = incident.get("request_id")
+    if result is None and isinstance(own, str):
+        # NIXL push: the producer's request is the one with this load's base id.
+        result = _recheck_of(rechecked, _BASE + base_request_id(own), engine)
     if result == "changed":
         return CHANGED_ON_PRODUCER
     if result == "intact":

@@ -246,13 +246,13 @@ def judge(res: RequestResult, setup: Setup) -> None:
         problems.append("no injection recorded (rate 1)")
     if res.phase == PRODUCER_FLIP and res.verdict == "verified":
         # The consumer read before the flip landed: its KV was good. The
-        # producer's re-check must still find the flip (judge_where).
+        # producer's re-check must still find the flip (join_where).
         pass
     elif res.verdict != res.expected:
         problems.append(f"verdict {res.verdict} ({res.reason}), expected {res.expected}")
     elif res.phase == "drop_checksums" and res.reason != "no_producer_checksums":
         problems.append(f"unverified for {res.reason}, expected no_producer_checksums")
-    if res.expected == "mismatch" and res.injection is not None:
+    if res.expected == "mismatch" and res.verdict == "mismatch" and res.injection is not None:
         want = {int(res.injection["group"]): sorted(res.injection["positions"])}
         if res.reported != want:
             problems.append(f"reported positions {res.reported}, injected {want}")

@@ -1050,3 +1050,117 @@ def test_the_table_has_a_where_column(capsys):
     print_table(build_report(args, setups, results, hostile, ttft, startup, wall))
     row = next(r for r in table_rows(capsys.readouterr().out, "llama") if r[1] == "flip_bit")
     assert row[9:12] == ["1", "intact", "on"]
+
+
+# -- the producer_flip_bit phase: its faults, judgement and join ------------------
+
+def test_set_faults_puts_the_producer_flip_on_the_producer_only(tmp_path):
+    from vllm_kvchecksum.fault_connector import KNOWN_KINDS
+
+    s = Setup("x", Path("/m"), control_path=tmp_path / "c.json", producer_control_path=tmp_path / "p.json")
+    off = {"kinds": [], "rate": 0.0}
+    demo.set_faults(s, demo.PRODUCER_FLIP)
+    producer = json.loads(s.producer_control_path.read_text())
+    assert producer == {"kinds": ["flip_bit"], "rate": 1.0} and set(producer["kinds"]) <= set(KNOWN_KINDS)
+    assert json.loads(s.control_path.read_text()) == off
+    demo.set_faults(s, "swap_heads")
+    assert json.loads(s.control_path.read_text()) == {"kinds": ["swap_heads"], "rate": 1.0}
+    assert json.loads(s.producer_control_path.read_text()) == off
+
+
+def test_judge_of_the_producer_flip_phase():
+    inj = {"kind": "flip_bit", "group": 0, "positions": [3], "skipped": None, "expect": "mismatch"}
+    # Read before the flip landed: the consumer's KV was good (the join judges the producer's re-check),
+    # so neither its verdict, its output nor its (no) reported positions are a problem.
+    r = judged(result(demo.PRODUCER_FLIP, verdict="verified", injection=inj), "fail")
+    assert r.ok is True and r.problem == "", r.problem
+    # A mismatch there must name the flipped positions.
+    r = judged(result(demo.PRODUCER_FLIP, injection=inj, reported={0: [2]}, status=503,
+                      error="kv_checksum_mismatch: x", output_equal=None), "fail")
+    assert r.ok is False and r.problem == "reported positions {0: [2]}, injected {0: [3]}", r.problem
+    # Anything else than the expected verdict is a problem, in this phase as in the consumer's.
+    r = judged(result(demo.PRODUCER_FLIP, verdict="unverified", reason="missing_workers", injection=inj), "open")
+    assert r.ok is False and r.problem.startswith("verdict unverified")
+    r = judged(result("flip_bit", verdict="verified", output_equal=True), "open")
+    assert r.ok is False and r.problem.startswith("verdict verified (None), expected mismatch")
+
+
+def test_run_request_of_the_producer_flip(tmp_path, monkeypatch):
+    rid = "demo.x.producer_flip_bit.000.r"
+    s = Setup("x", Path("/m"), policy="fail", injections_path=tmp_path / "c.jsonl",
+              producer_injections_path=tmp_path / "p.jsonl")
+    s.urls = {"producer": "http://p", "consumer": "http://c"}
+    s.logs["consumer"] = tmp_path / "consumer.log"
+    s.injections_path.write_text("")
+    flip = {"request_id": f"cmpl-{rid}-0-p", "kind": "flip_bit", "group": 0, "positions": [2], "skipped": None,
+            "expect": "mismatch"}
+    s.producer_injections_path.write_text(json.dumps(flip) + "\n")
+    urls = []
+
+    def completion(client, url, prompt, **kw):
+        urls.append(url)
+        return 200, {"choices": [{"text": "same"}]}
+
+    monkeypatch.setattr(demo, "completion", completion)
+    monkeypatch.setattr(demo, "checksum_counts", lambda url: {})
+    monkeypatch.setattr(demo, "wait_for_verdict", lambda url, before: {"loads_verified": 1})
+    r = demo.run_request(None, s, "http://proxy", demo.PRODUCER_FLIP, 0)
+    assert r.injection == flip and r.expected == "mismatch"
+    # Its output is compared with the producer's own, under "fail" too.
+    assert urls[0] == "http://p" and r.output_equal is True
+    assert "no injection recorded" not in r.problem and "output differs" not in r.problem, r.problem
+
+
+def test_where_column_counts_mismatches_only():
+    assert demo.where_column([{"verdict": "verified", "where": None}, {"verdict": "unverified"}]) == "-"
+    assert demo.where_column([{"verdict": "mismatch", "where": incident.INTACT_ON_PRODUCER},
+                              {"verdict": "verified", "where": None},
+                              {"verdict": "mismatch", "where": None}]) == "1 intact on P, 1 no line"
+
+
+def test_join_more_producer_flip_and_recheck_cases(tmp_path, monkeypatch):
+    # The flip of several blocks: the injection lists them in any order.
+    inj = {"kind": "flip_bit", "group": 0, "positions": [4, 2], "skipped": None, "expect": "mismatch"}
+    r = result(demo.PRODUCER_FLIP, injection=inj, reported={0: [2, 4]})
+    r = joined(tmp_path, monkeypatch, r, [consumer_line(r.request_id, (2, 4))],
+               [producer_line(r.request_id, "changed", (2, 4))])
+    assert (r.ok, r.where) == (True, incident.CHANGED_ON_PRODUCER), r.problem
+    # A verified load whose producer says its KV changed, or could not re-check, with nothing injected there.
+    for verdict in ("changed", "not_rechecked"):
+        r = result("clean", verdict="verified", injection=None)
+        r = joined(tmp_path, monkeypatch, r, [], [producer_line(r.request_id, verdict, (1,))])
+        assert not r.ok and f"the producer's re-check says {verdict}" in r.problem
+    # A producer line found by its transfer id (Mooncake: the router's id), not its own request id.
+    r = result("clean", verdict="verified", injection=None)
+    line = {**producer_line("other", "intact"), "request_id": "cmpl-own-id-0",
+            "transfer_id": f"xfer-{r.request_id}"}
+    r = joined(tmp_path, monkeypatch, r, [], [line])
+    assert (r.ok, r.producer_recheck) == (True, "intact"), r.problem
+
+
+def test_join_waits_for_every_producer_line(tmp_path, monkeypatch):
+    import threading
+
+    a, b = result("clean", verdict="verified", injection=None), result("clean", verdict="verified", injection=None)
+    b.request_id = b.request_id.replace("000", "001")
+    setup = Setup("x", Path("/m"), policy="open")
+    for side in ("consumer", "producer"):
+        setup.logs[side] = tmp_path / f"{side}.log"
+    setup.logs["consumer"].write_text("")
+    setup.logs["producer"].write_text(incident_log(producer_line(a.request_id, "intact")))
+
+    def late():
+        with setup.logs["producer"].open("a") as f:
+            f.write(incident_log(producer_line(b.request_id, "intact")))
+
+    monkeypatch.setattr(demo, "WHERE_WAIT_S", 30.0)
+    timer = threading.Timer(0.3, late)
+    timer.start()
+    try:
+        for r in (a, b):
+            r.ok, r.problem = True, ""
+        demo.join_where(setup, [PhaseResult("clean", [a, b])])
+    finally:
+        timer.join()
+    assert (a.producer_recheck, b.producer_recheck) == ("intact", "intact")
+    assert a.ok and b.ok, (a.problem, b.problem)

@@ -340,5 +340,6 @@ def test_the_producers_rechecks_are_counted_and_judged(tmp_path):
 
     assert judged(rechecks, 3)["ok"] and judged(rechecks, 3)["producer_rechecks"] == rechecks
     assert not judged(rechecks, 4)["ok"]  # a send never re-checked
+    assert not judged(rechecks, 2)["ok"]  # a send re-checked twice
     assert judged(rechecks, 4, died=True)["ok"]  # ... unless the producer was killed
     assert "false alarms" in judged({"intact": 2, "changed": 1}, 3)["failures"][0]

@@ -35,8 +35,13 @@ import sys
 import pytest
 from demo_run import ROOT, processes_left, run_demo
 
+from vllm_kvchecksum import incident
+
+# The consumer's faults, then the producer's: a bit flipped in its held KV
+# after its checksums were sent (the drill's target "sends").
+PRODUCER_FLIP = "producer_flip_bit"
 KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap_layers", "swap_blocks",
-         "misplace_block", "change_tail", "drop_checksums")
+         "misplace_block", "change_tail", "drop_checksums", PRODUCER_FLIP)
 
 pytestmark = pytest.mark.e2e
 
@@ -92,17 +97,23 @@ def test_each_injection_is_detected_at_its_positions(demo):
                 if ph["phase"] == "clean":
                     assert inj["kind"] is None
                     continue
-                assert inj["kind"] == ph["phase"] and not inj["skipped"], inj
+                kind = "flip_bit" if ph["phase"] == PRODUCER_FLIP else ph["phase"]
+                assert inj["kind"] == kind and not inj["skipped"], inj
                 want = {"change_tail": "verified", "drop_checksums": "unverified"}.get(ph["phase"], "mismatch")
-                assert inj["expected"] == want and inj["verdict"] == want, (s["name"], inj)
-                if want == "mismatch":
+                assert inj["expected"] == want, (s["name"], inj)
+                # A consumer that reads before the producer's flip lands loads good KV.
+                allowed = (want, "verified") if ph["phase"] == PRODUCER_FLIP else (want,)
+                assert inj["verdict"] in allowed, (s["name"], inj)
+                if inj["verdict"] == "mismatch":
                     assert inj["reported"] == {str(inj["group"]): sorted(inj["positions"])}, (s["name"], inj)
             # The metrics moved by exactly the expected counts.
             n = ph["requests"]
             expect = {"clean": (n, 0, 0), "change_tail": (n, 0, 0), "drop_checksums": (0, 0, n)}.get(
                 ph["phase"], (0, n, 0))
-            assert (total(m, "loads_verified"), total(m, "loads_mismatched"), total(m, "loads_unverified")) == \
-                expect, (s["name"], ph["phase"], m)
+            got = (total(m, "loads_verified"), total(m, "loads_mismatched"), total(m, "loads_unverified"))
+            if ph["phase"] == PRODUCER_FLIP:
+                got = (0, got[0] + got[1], got[2])
+            assert got == expect, (s["name"], ph["phase"], m)
             if ph["phase"] == "drop_checksums":
                 verdicts = {k: v for k, v in m.items() if k.split("/")[0] in LOAD_VERDICTS}
                 assert verdicts == {"loads_unverified/no_producer_checksums": n}, m
@@ -202,3 +213,21 @@ def test_hybrid_model_mamba_state_is_verified_on_real_servers(hybrid_demo):
     [inj] = flip["injections"]
     assert inj["verdict"] == "mismatch" and inj["reported"] == {str(inj["group"]): sorted(inj["positions"])}
     assert inj["group"] != MAMBA_GROUP
+
+
+def test_each_mismatch_says_where_it_happened(demo):
+    """The producers re-check every transfer: a fault injected on the consumer
+    reads "intact on the producer", the producer's own flip "changed on the
+    producer", found by its re-check at the flipped positions."""
+    _, report, _ = demo
+    for s in report["setups"]:
+        for ph in s["phases"]:
+            for inj in ph["injections"]:
+                assert inj["producer_recheck"] == ("changed" if ph["phase"] == PRODUCER_FLIP else "intact"), \
+                    (s["name"], inj)
+                if inj["verdict"] != "mismatch":
+                    assert inj["where"] is None, (s["name"], inj)
+                elif ph["phase"] == PRODUCER_FLIP:
+                    assert inj["where"] == incident.CHANGED_ON_PRODUCER, (s["name"], inj)
+                else:
+                    assert inj["where"] == incident.INTACT_ON_PRODUCER, (s["name"], inj)

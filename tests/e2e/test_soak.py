@@ -63,3 +63,12 @@ def test_nothing_is_held_after_the_traffic_and_the_run_is_pictured(soak):
     assert all(row["consumer"]["rss_mb"] > 0 for row in timeline)
     for name in ("soak-verdicts.png", "soak-held.png", "soak-latency.png"):
         assert (out / name).stat().st_size > 1000
+
+
+def test_the_producer_rechecked_every_send_and_found_none_changed(soak):
+    """The soak changes no producer KV: every transfer's re-check at its
+    completion (lease expiries included) must find the KV as sent."""
+    _, report, _ = soak
+    rechecks = report["producer_rechecks"]
+    assert rechecks.get("changed", 0) == 0
+    assert sum(rechecks.values()) == report["producer"]["sent"] > 0

@@ -799,3 +799,52 @@ def test_every_worker_drops_connector_delivered_checksums(worker, monkeypatch, t
     [record] = read_records(tmp_path / "injections.jsonl")
     assert (record["kind"], record["side"], record["skipped"], record["expect"]) == \
         ("drop_checksums", "worker", None, "unverified")
+
+
+# -- target "sends": faults on a producer's held sends, never on loads ------------
+
+def test_target_sends_puts_no_fault_on_a_load(sides, tmp_path):
+    log = tmp_path / "injections.jsonl"
+    C = sides("kv_consumer", faults_cfg={"kinds": ["flip_bit", "drop_checksums"], "rate": 1.0,
+                                         "log_path": str(log), "target": "sends"})
+    P = make_side("kv_producer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    req, out = start_load(C, preq, params)
+    assert out.kv_connector_metadata.fault_plans == {} and out.kv_connector_metadata.send_fault_plans == {}
+    assert "kv_checksums" in req.kv_transfer_params
+    assert not log.exists()
+
+
+def test_drop_checksums_does_not_apply_to_sends(sides, tmp_path):
+    log = tmp_path / "injections.jsonl"
+    P = sides("kv_producer", faults_cfg={"kinds": ["drop_checksums"], "rate": 1.0, "log_path": str(log),
+                                         "target": "sends"}, producer_recheck=True)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    assert "kv_checksums" in params
+    out, _ = P.step()
+    assert out.kv_connector_metadata.send_fault_plans == {}
+    [record] = read_records(log)
+    assert (record["request_id"], record["kind"]) == (preq.request_id, "drop_checksums")
+    assert record["skipped"] == "drop_checksums does not apply to a producer's sends"
+
+
+def test_target_loads_puts_no_fault_on_a_send(sides, tmp_path):
+    # The ground truth (witness_path) follows the sends too; the faults must not.
+    log = tmp_path / "injections.jsonl"
+    P = sides("kv_producer", faults_cfg={"kinds": ["flip_bit"], "rate": 1.0, "log_path": str(log),
+                                         "witness_path": str(tmp_path / "witness.jsonl")})
+    prefill(P, prompt_of(PROMPT))
+    out, _ = P.step()
+    assert out.kv_connector_metadata.send_fault_plans == {}
+    assert not log.exists()
+
+
+def test_only_tp_rank_zero_of_stage_zero_injects_into_sends(worker, monkeypatch, tmp_path):
+    for ranks, injects in [((1, 0), False), ((0, 1), False), ((0, 0), True)]:
+        monkeypatch.setattr(fc, "_parallel_ranks", lambda ranks=ranks: ranks)
+        conn, caches = worker()
+        before = raw(caches)
+        conn.bind_connector_metadata(fc.FaultConnectorMetadata(metadata=(None,),
+                                                               send_fault_plans={"r1": plan_of("flip_bit")}))
+        assert bool(changed_block_ids(before, caches)) is injects, ranks
+    assert len(read_records(tmp_path / "injections.jsonl")) == 1

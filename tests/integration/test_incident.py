@@ -91,3 +91,11 @@ def test_the_join_names_a_read_after_release_on_the_producer(caplog, tmp_path, c
     incident.where_main(["--consumer", str(consumer_log), "--json"])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["where"] for x in lines] == [incident.NOT_RECHECKED] * 2
+
+
+def test_the_joins_base_id_is_nixl_pushs_own():
+    """The join pairs a push consumer with its producer as NIXL push does."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
+
+    for rid in ("cmpl-demo.7.r-0-868a704e", "cmpl-x-0-ABCDEF01", "cmpl-x-0-868a704", "r", "a-12345678-87654321"):
+        assert incident.base_request_id(rid) == get_base_request_id(rid), rid

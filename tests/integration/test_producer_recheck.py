@@ -50,8 +50,9 @@ def complete(producer, preq) -> None:
     rid = preq.request_id
     free_before = free_blocks(producer)
     out, _ = producer.step(finished_sending={rid})
-    # Held for the re-check: still the scheduler's, still allocated.
+    # Held for the re-check: still the scheduler's, still allocated, still a send in flight.
     assert rid in producer.scheduler.requests and free_blocks(producer) == free_before
+    assert producer.reported_gauges[metrics.SENDS_IN_FLIGHT] == 1
     out, _ = producer.step()
     assert rid in out.kv_checksum_scheduled.reqs_to_recheck
     assert rid not in producer.scheduler.requests and free_blocks(producer) > free_before
@@ -69,6 +70,10 @@ def test_intact_kv_is_counted_and_the_blocks_are_freed_after_the_recheck(make, c
     [line] = incidents(caplog, "producer")
     assert line["verdict"] == "intact" and line["request_id"] == preq.request_id and line["groups"] == {}
     assert line["engine_id"] == P.scheduler.vllm_config.kv_transfer_config.engine_id
+    kv = P.scheduler.vllm_config.kv_transfer_config
+    assert line["connector"] == kv.kv_connector
+    assert line["carrier"] == P.scheduler.connector.kv_checksum_carrier(preq, False).value
+    assert (line["tp_size"], line["pp_size"]) == (1, 1)
     assert P.reported_gauges[metrics.SENDS_IN_FLIGHT] == 0
 
 
@@ -154,6 +159,7 @@ def test_a_recheck_no_worker_reported_is_not_rechecked_and_still_frees(caplog):
     assert P.reported_metrics[metrics.PRODUCER_INTACT] == 0
     [line] = incidents(caplog, "producer")
     assert line["verdict"] == "not_rechecked"
+    assert (line["tp_size"], line["pp_size"]) == (2, 1)
 
 
 def test_blocks_no_longer_those_sent_are_not_rechecked(monkeypatch, caplog):
@@ -297,3 +303,158 @@ def test_blocks_freed_at_once_leave_nothing_to_recheck(monkeypatch):
     P.step()
     assert P.scheduler.kv_checksum.gauges()[metrics.SENDS_IN_FLIGHT] == 0
     assert not any(k.startswith("producer_") for k in P.reported_metrics)
+
+
+def test_with_a_batch_queue_each_step_judges_only_its_own_rechecks(caplog):
+    """A re-check asked for while another's step is in flight is judged in
+    its own step: judged earlier it has no records yet, and its blocks
+    would be freed before the workers read them."""
+    P = make_side("kv_producer", batch_queue=True, producer_recheck=True)
+    a, _ = prefill(P, prompt_of(PROMPT, seed=1))
+    b, _ = prefill(P, prompt_of(PROMPT, seed=2))
+    out1, out2 = P.scheduler.schedule(), P.scheduler.schedule()
+    P.update(out1, P.run_workers(out1, finished_sending={a.request_id}))
+    out3 = P.scheduler.schedule()
+    assert set(out3.kv_checksum_scheduled.reqs_to_recheck) == {a.request_id}
+    P.update(out2, P.run_workers(out2, finished_sending={b.request_id}))
+    out4 = P.scheduler.schedule()
+    assert set(out4.kv_checksum_scheduled.reqs_to_recheck) == {b.request_id}
+    P.update(out3, P.run_workers(out3))
+    assert a.request_id not in P.scheduler.requests and b.request_id in P.scheduler.requests
+    P.update(out4, P.run_workers(out4))
+    assert b.request_id not in P.scheduler.requests
+    assert P.reported_metrics[metrics.PRODUCER_INTACT] == 2
+    assert not any(k.startswith(metrics.PRODUCER_NOT_RECHECKED) for k in P.reported_metrics)
+    assert P.scheduler.kv_checksum.gauges()[metrics.SENDS_IN_FLIGHT] == 0
+
+
+@pytest.mark.parametrize("repeated", ["before_the_recheck_is_scheduled", "while_the_recheck_runs"])
+def test_a_completion_reported_twice_frees_the_blocks_once(repeated, caplog):
+    """The connector reports the transfer complete again while the re-check
+    waits (batch queue: the next step's update): the blocks are freed then,
+    nothing of the request stays behind, and the re-check is dropped."""
+    P = make_side("kv_producer", batch_queue=True, producer_recheck=True)
+    preq, _ = prefill(P, prompt_of(PROMPT))
+    rid = preq.request_id
+    out1, out2 = P.scheduler.schedule(), P.scheduler.schedule()
+    P.update(out1, P.run_workers(out1, finished_sending={rid}))
+    assert rid in P.scheduler.requests
+    out3 = P.scheduler.schedule() if repeated == "while_the_recheck_runs" else None
+    P.update(out2, P.run_workers(out2, finished_sending={rid}))
+    assert rid not in P.scheduler.requests
+    if out3 is None:
+        out3 = P.scheduler.schedule()
+        assert not out3.kv_checksum_scheduled or rid not in out3.kv_checksum_scheduled.reqs_to_recheck
+    else:
+        assert rid in out3.kv_checksum_scheduled.reqs_to_recheck
+    P.update(out3, P.run_workers(out3))
+    P.step()
+    assert P.scheduler.kv_checksum.gauges()[metrics.SENDS_IN_FLIGHT] == 0
+    assert P.reported_gauges[metrics.SENDS_IN_FLIGHT] == 0
+    assert incidents(caplog, "producer") == []
+
+
+def test_blocks_that_cannot_be_read_at_the_completion_are_not_rechecked(monkeypatch, caplog):
+    import vllm_kvchecksum.scheduler as checksum_scheduler
+
+    P, C = make_side("kv_producer", producer_recheck=True), make_side("kv_consumer")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(checksum_scheduler, "request_blocks", broken)
+    P.step(finished_sending={preq.request_id})
+    # Blocks it cannot name may not be those sent: freed at once, never "changed".
+    assert preq.request_id not in P.scheduler.requests
+    assert P.reported_metrics[metrics.labelled(metrics.PRODUCER_NOT_RECHECKED, "blocks_moved")] == 1
+    assert P.reported_metrics[metrics.PRODUCER_CHANGED] == P.reported_metrics[metrics.PRODUCER_INTACT] == 0
+    assert any(r.exc_info and preq.request_id in r.getMessage() for r in caplog.records)
+
+
+def run_workers_with_a_drafter(side, out, finished_sending=frozenset()):
+    """Each worker as a model runner with a drafter runs the step: the
+    loads after the forward (sends=False), the sends and re-checks after
+    the drafter (finalize_kv_connector: recvs=False)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from vllm_kvchecksum.records import KVChecksumOutput
+    from vllm_kvchecksum.runner import checksum_step
+
+    outputs = []
+    for w in side.workers:
+        first = checksum_step(w.checksums, out.kv_checksum_scheduled, set(), sends=False)
+        second = checksum_step(w.checksums, out.kv_checksum_scheduled, None, recvs=False)
+        kv_out = KVConnectorOutput(finished_sending=set(finished_sending) or None,
+                                   kv_checksums=KVChecksumOutput.aggregate([first, second]))
+        outputs.append(side.runner_output(out, kv_out))
+    return side.aggregator.aggregate(outputs, 0)
+
+
+def test_with_a_drafter_each_recheck_is_summed_once(caplog):
+    P, C = make_side("kv_producer", tp=2, producer_recheck=True), make_side("kv_consumer", tp=2)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params)
+    rid = preq.request_id
+    out = P.scheduler.schedule()
+    P.update(out, run_workers_with_a_drafter(P, out, finished_sending={rid}))
+    out = P.scheduler.schedule()
+    assert rid in out.kv_checksum_scheduled.reqs_to_recheck
+    P.update(out, run_workers_with_a_drafter(P, out))
+    assert rid not in P.scheduler.requests
+    assert P.reported_metrics[metrics.PRODUCER_INTACT] == 1
+    [line] = incidents(caplog, "producer")
+    assert line["verdict"] == "intact", line["reason"]
+
+
+def test_the_producer_counters_prometheus_names():
+    """The names and labels dashboards and alerts use (docs: metrics.py)."""
+    import prometheus_client
+
+    registry = prometheus_client.CollectorRegistry()
+    prom = metrics.KVChecksumProm(True, ["engine"], {0: ["0"]},
+                                  functools.partial(prometheus_client.Counter, registry=registry),
+                                  functools.partial(prometheus_client.Gauge, registry=registry))
+    prom.observe({"producer_intact": 3, "producer_changed": 2, "producer_changed_blocks": 5,
+                  "producer_not_rechecked/blocks_moved": 1, "producer_not_rechecked/sum_failed": 4})
+
+    def sample(name, **labels):
+        return registry.get_sample_value(name, {"engine": "0", **labels})
+
+    assert sample("vllm:kv_checksum_producer_intact_total") == 3
+    assert sample("vllm:kv_checksum_producer_changed_total") == 2
+    assert sample("vllm:kv_checksum_producer_changed_blocks_total") == 5
+    assert sample("vllm:kv_checksum_producer_not_rechecked_total", reason="blocks_moved") == 1
+    assert sample("vllm:kv_checksum_producer_not_rechecked_total", reason="sum_failed") == 4
+
+
+def test_a_send_fault_goes_to_the_workers_once(send_drill):
+    """Sent again, the same flip would land again on the same bit and undo itself."""
+    P, C, worker_half, log = send_drill
+    preq, _ = prefill(P, prompt_of(PROMPT))
+    out, _ = P.step()
+    assert set(out.kv_connector_metadata.send_fault_plans) == {preq.request_id}
+    out, _ = P.step()
+    assert out.kv_connector_metadata.send_fault_plans == {}
+
+
+def test_an_aborted_request_gets_no_send_fault(send_drill, monkeypatch):
+    """A connector that holds an aborted request's blocks: no checksums were
+    sent for it, so no re-check would see a fault there."""
+    from vllm.v1.request import RequestStatus
+
+    P, C, worker_half, log = send_drill
+    connector = P.scheduler.connector
+    monkeypatch.setattr(type(connector.sub_connectors[0]), "request_finished_all_groups",
+                        lambda self, request, block_ids: (True, None))
+    req = make_request(prompt_of(PROMPT), remote_decode=True, block_size=P.block_size)
+    P.scheduler.add_request(req)
+    out = P.scheduler.schedule()
+    forward_of(P, req)(out)
+    P.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    P.update(out, P.run_workers(out))
+    out, _ = P.step()
+    assert not out.kv_connector_metadata.send_fault_plans
+    [record] = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["request_id"] == req.request_id and record["skipped"] and record["expect"] == "verified"

@@ -95,7 +95,11 @@ def test_a_producer_line_is_found_by_its_transfer_id_too():
                                     groups={0: [2]}, engine_id="e", connector="MooncakeConnector", carrier="connector",
                                     tp_size=1, pp_size=1, block_sizes={0: 16}, reason="", now=0.0)
     text = "INFO " + incident.INCIDENT_MARK + json.dumps(line)
-    assert incident.rechecks(text) == {("p-1-prefill", "e"): "changed", ("xfer-1", "e"): "changed"}
+    found = incident.rechecks(text)
+    assert found[("p-1-prefill", "e")] == found[("xfer-1", "e")] == "changed"
+    # The third key, its base id (NIXL push's pairing), never equals an id.
+    [base] = [k for k, _ in found if k not in ("p-1-prefill", "xfer-1")]
+    assert len(found) == 3 and base.startswith("\x00") and base.endswith("p-1-prefill")
     # Consumer lines in a producer's log are not re-checks.
     assert incident.rechecks(incident.INCIDENT_MARK + json.dumps(record())) == {}
 
@@ -105,3 +109,75 @@ def test_attribute_keeps_mismatches_only():
              incident.INCIDENT_MARK + json.dumps(record(request_id="b", verdict="unverified"))]
     rows = incident.attribute(["\n".join(lines)], [])
     assert [(r["request_id"], place) for r, place in rows] == [("a", incident.NOT_RECHECKED)]
+
+
+def producer_line(**changes):
+    base = dict(request_id="p-1", transfer_id=None, result="changed", groups={0: [7, 2]}, engine_id="e",
+                connector="NixlConnector", carrier="kv_transfer_params", tp_size=1, pp_size=1,
+                block_sizes={0: 16}, reason="", now=0.0)
+    base.update(changes)
+    return incident.producer_record(**base)
+
+
+def test_a_changed_producer_kv_is_logged_as_an_error(caplog):
+    caplog.set_level(logging.DEBUG, logger=incident.INCIDENT_LOGGER)
+    for verdict in ("changed", "intact", "not_rechecked"):
+        incident.emit(producer_line(request_id=f"p-{verdict}", result=verdict))
+    incident.emit(record())
+    levels = {json.loads(r.getMessage()[len(incident.INCIDENT_MARK):])["request_id"]: r.levelno
+              for r in caplog.records if r.name == incident.INCIDENT_LOGGER}
+    assert levels == {"p-changed": logging.ERROR, "p-intact": logging.INFO, "p-not_rechecked": logging.INFO,
+                      "c-1": logging.ERROR}
+
+
+def test_the_producer_line_has_sorted_bounded_positions():
+    line = producer_line(groups={1: [9, 3], 0: [5, 1, 4]})
+    assert line["groups"] == {"0": [1, 4, 5], "1": [3, 9]} and line["verdict"] == "changed"
+    assert len(producer_line(groups={0: range(10_000, 0, -1)})["groups"]["0"]) == incident.MAX_POSITIONS
+    assert producer_line(groups={0: range(10_000, 0, -1)})["groups"]["0"][:2] == [1, 2]
+
+
+def test_attribute_joins_every_producers_log():
+    consumer = "\n".join(incident.INCIDENT_MARK + json.dumps(record(request_id=f"c-{p}", remote_request_id=p,
+                                                                    remote_engine_id=None))
+                         for p in ("p-1", "p-2", "p-3"))
+    producers = [incident.INCIDENT_MARK + json.dumps(producer_line(request_id="p-1", engine_id="e1")),
+                 EXPIRED.format("p-2"),
+                 incident.INCIDENT_MARK + json.dumps(producer_line(request_id="p-3", engine_id="e3", result="intact"))]
+    for logs in (producers, producers[::-1]):
+        rows = incident.attribute([consumer], logs)
+        assert {r["request_id"]: place for r, place in rows} == {
+            "c-p-1": incident.CHANGED_ON_PRODUCER, "c-p-2": incident.RELEASED_BEFORE_READ,
+            "c-p-3": incident.INTACT_ON_PRODUCER}
+
+
+def test_the_join_tells_two_producers_of_one_request_id_apart_by_engine():
+    logs = [incident.INCIDENT_MARK + json.dumps(producer_line(request_id="p-5", engine_id="e1", result="changed")),
+            incident.INCIDENT_MARK + json.dumps(producer_line(request_id="p-5", engine_id="e2", result="intact"))]
+    for producers in (logs, logs[::-1]):
+        for engine, place in (("e1", incident.CHANGED_ON_PRODUCER), ("e2", incident.INTACT_ON_PRODUCER),
+                              (None, incident.NOT_RECHECKED)):
+            consumer = incident.INCIDENT_MARK + json.dumps(record(request_id="c-5", remote_request_id="p-5",
+                                                                  remote_engine_id=engine))
+            [(_, got)] = incident.attribute([consumer], producers)
+            assert got == place, (engine, producers)
+
+
+def test_a_push_consumer_is_paired_with_its_producer_by_base_id():
+    """NIXL push: the consumer's load names the proxy's id, not the producer's;
+    the two sides' vLLM request ids share their base (get_base_request_id)."""
+    producer = incident.producer_record(
+        request_id="cmpl-demo.7.r-0-868a704e", transfer_id=None, result="intact", groups={}, engine_id="P",
+        connector="NixlPushConnector", carrier="connector", tp_size=1, pp_size=1, block_sizes={0: 32}, reason="",
+        now=0.0)
+    rechecked = incident.rechecks(incident.INCIDENT_MARK + json.dumps(producer))
+    push = record(request_id="cmpl-demo.7.r-0-a13ad2ab", remote_request_id="demo.7.r", remote_engine_id="P")
+    assert incident.where(push, set(), rechecked) == incident.INTACT_ON_PRODUCER
+    # Another request's base, or another producer engine, is not it.
+    assert incident.where(dict(push, request_id="cmpl-demo.8.r-0-a13ad2ab"), set(), rechecked) == \
+        incident.NOT_RECHECKED
+    assert incident.where(dict(push, remote_engine_id="Q"), set(), rechecked) == incident.INTACT_ON_PRODUCER
+    # The base is vLLM's: only an 8-hex suffix is cut.
+    assert incident.base_request_id("cmpl-x-0-868a704e") == "cmpl-x-0"
+    assert incident.base_request_id("cmpl-x-0-868a704") == "cmpl-x-0-868a704"
+    assert incident.base_request_id("cmpl-x-0-868a704z") == "cmpl-x-0-868a704z"

@@ -46,3 +46,12 @@ def test_what_cannot_be_compared_is_never_reported_changed():
             (why, result.reason)
     assert recheck(sent, payload({0: SENT[0][:4], 1: SENT[1][:4]})).status is RecheckStatus.NOT_RECHECKED
     assert recheck(sent, None, "a worker's record is missing").reason == "a worker's record is missing"
+
+
+def test_another_block_size_over_as_many_blocks_is_not_compared():
+    # Equal counts of blocks, each over other tokens: the sums say nothing
+    # about a change, so never "changed" (nor "intact").
+    sent = payload(SENT, num_tokens=160)
+    result = recheck(sent, payload({0: [0] * 5, 1: [0] * 5}, block_size=32, num_tokens=160))
+    assert result.status is RecheckStatus.NOT_RECHECKED and not result.changed
+    assert recheck(sent, payload(SENT, block_size=32, num_tokens=160)).status is RecheckStatus.NOT_RECHECKED
