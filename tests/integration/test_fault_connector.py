@@ -818,7 +818,7 @@ def test_target_sends_puts_no_fault_on_a_load(sides, tmp_path):
 def test_drop_checksums_does_not_apply_to_sends(sides, tmp_path):
     log = tmp_path / "injections.jsonl"
     P = sides("kv_producer", faults_cfg={"kinds": ["drop_checksums"], "rate": 1.0, "log_path": str(log),
-                                         "target": "sends"}, producer_recheck=True)
+                                         "target": "sends"})
     preq, params = prefill(P, prompt_of(PROMPT))
     assert "kv_checksums" in params
     out, _ = P.step()
