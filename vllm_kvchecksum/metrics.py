@@ -54,9 +54,12 @@ has stopped and nothing is held; a value that stays up is a leak):
                                      may hit until their verdict
 
 A producer whose connector released a request's KV before the consumer read
-it (vLLM NIXL's lease expiry) counts that read in the connector's own
-vllm:nixl_num_notifications_after_expiry; `python -m vllm_kvchecksum.where`
-joins it with the consumer's mismatch (incident.py).
+it (vLLM NIXL's lease expiry) counts the expiry in the connector's own
+vllm:nixl_num_kv_expired_reqs and logs the request; `python -m
+vllm_kvchecksum.where` joins that line with the consumer's mismatch
+(incident.py). NIXL's vllm:nixl_num_notifications_after_expiry is no count
+of such reads: it also counts the second notification a consumer sends for a
+load that failed its check.
 
 A mismatch is only ever counted as mismatched: a cache miss is no load at all
 (vLLM's external prefix cache counters), and a connector failure is
