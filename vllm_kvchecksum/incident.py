@@ -177,19 +177,30 @@ def rechecks(text: str) -> dict[tuple[str, str | None], str]:
         verdict, engine = str(record.get("verdict")), record.get("engine_id")
         for key in ("request_id", "transfer_id"):
             if isinstance(record.get(key), str):
-                out[(record[key], engine)] = verdict
+                _merge(out, (record[key], engine), verdict)
         if isinstance(record.get("request_id"), str):
-            out[(_BASE + base_request_id(record["request_id"]), engine)] = verdict
+            _merge(out, (_BASE + base_request_id(record["request_id"]), engine), verdict)
     return out
 
 
+# Two re-checks under one key that disagree (a request id a client reused, a
+# retry sent to the same producer): the join cannot tell which it was.
+AMBIGUOUS = "ambiguous"
+
+
+def _merge(out: dict[tuple[str, str | None], str], key: tuple[str, str | None], verdict: str) -> None:
+    if out.get(key, verdict) != verdict:
+        verdict = AMBIGUOUS
+    out[key] = verdict
+
+
 def _recheck_of(rechecked: Mapping[tuple[str, str | None], str], key: str, engine: Any) -> str | None:
-    """The re-check logged under `key`: the named engine's, else the only one."""
-    result = rechecked.get((key, engine)) if engine is not None else None
-    if result is None:
-        matches = {v for (rid, _), v in rechecked.items() if rid == key}
-        result = matches.pop() if len(matches) == 1 else None
-    return result
+    """The re-check logged under `key`: the named engine's; only where the load
+    names no engine, the one re-check under that key of any engine."""
+    if engine is not None:
+        return rechecked.get((key, engine))
+    matches = {v for (rid, _), v in rechecked.items() if rid == key}
+    return matches.pop() if len(matches) == 1 else None
 
 
 def where(incident: Mapping[str, Any], released: set[str],
@@ -205,15 +216,17 @@ def where(incident: Mapping[str, Any], released: set[str],
     remote = incident.get("remote_request_id")
     if not isinstance(remote, str):
         return NOT_RECHECKED
-    if remote in released:
+    own = incident.get("request_id")
+    # A connector-owned carrier (NIXL push, Mooncake) may pair the two sides
+    # by the requests' base id (NIXL push does); pull names the producer's id.
+    paired_by_base = incident.get("carrier") == "connector" and isinstance(own, str)
+    if remote in released or (paired_by_base and base_request_id(own) in {base_request_id(r) for r in released}):
         return RELEASED_BEFORE_READ
     rechecked = rechecked or {}
     # The consumer names the producer's engine when its connector does.
     engine = incident.get("remote_engine_id")
     result = _recheck_of(rechecked, remote, engine)
-    own = incident.get("request_id")
-    if result is None and isinstance(own, str):
-        # NIXL push: the producer's request is the one with this load's base id.
+    if result is None and paired_by_base:
         result = _recheck_of(rechecked, _BASE + base_request_id(own), engine)
     if result == "changed":
         return CHANGED_ON_PRODUCER
@@ -228,7 +241,8 @@ def attribute(consumer_logs: Iterable[str], producer_logs: Iterable[str]) -> lis
     rechecked: dict[tuple[str, str | None], str] = {}
     for text in producer_logs:
         released |= released_requests(text)
-        rechecked.update(rechecks(text))
+        for key, verdict in rechecks(text).items():
+            _merge(rechecked, key, verdict)
     return [(incident, where(incident, released, rechecked)) for text in consumer_logs
             for incident in read_incidents(text)
             if incident.get("side", "consumer") == "consumer" and incident.get("verdict") == "mismatch"]

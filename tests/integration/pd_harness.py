@@ -457,7 +457,8 @@ def prefill(producer: Side, prompt: list[int]) -> tuple[Request, dict]:
             # router, sent at the same time as the producer's.
             assert outputs[req.request_id].kv_transfer_params is None
             outputs[req.request_id].kv_transfer_params = dict(
-                do_remote_prefill=True, do_remote_decode=False, remote_engine_id="producer",
+                do_remote_prefill=True, do_remote_decode=False,
+                remote_engine_id=producer.scheduler.vllm_config.kv_transfer_config.engine_id,
                 remote_bootstrap_addr="http://127.0.0.1:9", transfer_id=req.kv_transfer_params["transfer_id"])
         if req.request_id in outputs and outputs[req.request_id].kv_transfer_params is not None:
             params = dict(outputs[req.request_id].kv_transfer_params)

@@ -72,22 +72,48 @@ def test_where_each_mismatch_happened():
 
 
 def test_where_with_the_producers_rechecks():
-    rechecked = {("p-1", "e"): "changed", ("p-2", "e"): "intact", ("p-3", "other"): "intact",
-                 ("p-5", "e1"): "changed", ("p-5", "e2"): "intact", ("p-6", "e"): "not_rechecked"}
-    assert incident.where(record(), set(), rechecked) == incident.CHANGED_ON_PRODUCER
-    assert incident.where(record(remote_request_id="p-2"), set(), rechecked) == incident.INTACT_ON_PRODUCER
+    rechecked = {("p-1", "e"): "changed", ("p-2", "e"): "intact", ("p-3", None): "intact",
+                 ("p-5", "e1"): "changed", ("p-5", "e2"): "intact", ("p-6", "e"): "not_rechecked",
+                 ("p-8", "e"): incident.AMBIGUOUS}
+
+    def at(**changes):
+        return incident.where(record(**{"remote_engine_id": "e", **changes}), set(), rechecked)
+
+    assert at() == incident.CHANGED_ON_PRODUCER
+    assert at(remote_request_id="p-2") == incident.INTACT_ON_PRODUCER
     # A release before the read comes first: the re-check at the lease's expiry ran before the read.
-    assert incident.where(record(remote_request_id="p-2"), {"p-2"}, rechecked) == incident.RELEASED_BEFORE_READ
-    # The engine the load named need not be the producer's id for it (a router's name): one match is enough...
-    assert incident.where(record(remote_request_id="p-3"), set(), rechecked) == incident.INTACT_ON_PRODUCER
-    assert incident.where(record(remote_request_id="p-3", remote_engine_id=None), set(), rechecked) == \
-        incident.INTACT_ON_PRODUCER
-    # ... but two producers with that request id and other engines cannot be told apart.
-    assert incident.where(record(remote_request_id="p-5"), set(), rechecked) == incident.NOT_RECHECKED
-    assert incident.where(record(remote_request_id="p-5", remote_engine_id="e2"), set(), rechecked) == \
-        incident.INTACT_ON_PRODUCER
-    assert incident.where(record(remote_request_id="p-6"), set(), rechecked) == incident.NOT_RECHECKED
-    assert incident.where(record(remote_request_id="p-7"), set(), rechecked) == incident.NOT_RECHECKED
+    assert incident.where(record(remote_request_id="p-2", remote_engine_id="e"), {"p-2"}, rechecked) == \
+        incident.RELEASED_BEFORE_READ
+    # A load that names an engine takes that engine's re-check only: another
+    # producer's line for the same request id is not this transfer's.
+    assert at(remote_engine_id="eng-p") == incident.NOT_RECHECKED
+    assert at(remote_request_id="p-3") == incident.NOT_RECHECKED
+    assert at(remote_request_id="p-5", remote_engine_id="e2") == incident.INTACT_ON_PRODUCER
+    # A load that names none takes the one re-check under its id, of any engine...
+    assert at(remote_request_id="p-3", remote_engine_id=None) == incident.INTACT_ON_PRODUCER
+    assert at(remote_engine_id=None) == incident.CHANGED_ON_PRODUCER
+    # ... and cannot tell two apart.
+    assert at(remote_request_id="p-5", remote_engine_id=None) == incident.NOT_RECHECKED
+    assert at(remote_request_id="p-6") == incident.NOT_RECHECKED
+    assert at(remote_request_id="p-7") == incident.NOT_RECHECKED
+    assert at(remote_request_id="p-8") == incident.NOT_RECHECKED
+
+
+def test_two_rechecks_under_one_key_that_disagree_are_ambiguous():
+    def line(verdict, rid="p-1"):
+        return incident.INCIDENT_MARK + json.dumps(incident.producer_record(
+            request_id=rid, transfer_id=None, result=verdict, groups={}, engine_id="e", connector="NixlConnector",
+            carrier="kv_transfer_params", tp_size=1, pp_size=1, block_sizes={0: 16}, reason="", now=0.0))
+
+    # A retry of a mismatched request, sent with the same id to the same producer.
+    assert incident.rechecks("\n".join([line("changed"), line("intact")]))[("p-1", "e")] == incident.AMBIGUOUS
+    assert incident.rechecks("\n".join([line("intact"), line("intact")]))[("p-1", "e")] == "intact"
+    # The same across two producer logs.
+    consumer = incident.INCIDENT_MARK + json.dumps(record(remote_engine_id="e"))
+    [(_, place)] = incident.attribute([consumer], [line("changed"), line("intact")])
+    assert place == incident.NOT_RECHECKED
+    [(_, place)] = incident.attribute([consumer], [line("changed"), line("changed", "p-2")])
+    assert place == incident.CHANGED_ON_PRODUCER
 
 
 def test_a_producer_line_is_found_by_its_transfer_id_too():
@@ -171,12 +197,19 @@ def test_a_push_consumer_is_paired_with_its_producer_by_base_id():
         connector="NixlPushConnector", carrier="connector", tp_size=1, pp_size=1, block_sizes={0: 32}, reason="",
         now=0.0)
     rechecked = incident.rechecks(incident.INCIDENT_MARK + json.dumps(producer))
-    push = record(request_id="cmpl-demo.7.r-0-a13ad2ab", remote_request_id="demo.7.r", remote_engine_id="P")
+    push = record(request_id="cmpl-demo.7.r-0-a13ad2ab", remote_request_id="demo.7.r", remote_engine_id="P",
+                  connector="NixlPushConnector", carrier="connector")
     assert incident.where(push, set(), rechecked) == incident.INTACT_ON_PRODUCER
     # Another request's base, or another producer engine, is not it.
     assert incident.where(dict(push, request_id="cmpl-demo.8.r-0-a13ad2ab"), set(), rechecked) == \
         incident.NOT_RECHECKED
-    assert incident.where(dict(push, remote_engine_id="Q"), set(), rechecked) == incident.INTACT_ON_PRODUCER
+    assert incident.where(dict(push, remote_engine_id="Q"), set(), rechecked) == incident.NOT_RECHECKED
+    # A pull load names the producer's own id: no pairing by base id there.
+    assert incident.where(dict(push, carrier="kv_transfer_params"), set(), rechecked) == incident.NOT_RECHECKED
+    # The push producer's lease ran out before the WRITE landed: its expiry line names its own id.
+    released = incident.released_requests(EXPIRED.format("cmpl-demo.7.r-0-868a704e"))
+    assert incident.where(push, released, rechecked) == incident.RELEASED_BEFORE_READ
+    assert incident.where(dict(push, carrier="kv_transfer_params"), released, rechecked) == incident.NOT_RECHECKED
     # The base is vLLM's: only an 8-hex suffix is cut.
     assert incident.base_request_id("cmpl-x-0-868a704e") == "cmpl-x-0"
     assert incident.base_request_id("cmpl-x-0-868a704") == "cmpl-x-0-868a704"
