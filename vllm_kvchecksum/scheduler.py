@@ -264,7 +264,8 @@ class KVChecksumScheduler:
         # step has run, the ones being re-checked.
         self._sent: dict[str, _Pending] = {}
         self._rechecking: dict[str, _Pending] = {}
-        self.recheck_sends = bool(kv.kv_checksum_producer_recheck)
+        # getattr: the series' prefixes before the re-check's patch lack the key.
+        self.recheck_sends = bool(getattr(kv, "kv_checksum_producer_recheck", False))
         self._recvs: dict[str, _Pending] = {}
         # Synchronous loads of offloaded KV by the step that performs them
         # (KVChecksumScheduled.step): with a batch queue several steps are in
