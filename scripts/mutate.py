@@ -34,7 +34,7 @@ def run(mutation: dict) -> bool:
     dest.mkdir(parents=True)
     for tree in ("vllm_kvchecksum", "tests"):
         shutil.copytree(ROOT / tree, dest / tree, ignore=shutil.ignore_patterns("__pycache__"))
-    for link in ("build", ".venv", "pyproject.toml"):
+    for link in ("build", ".venv", "pyproject.toml", "scripts"):
         (dest / link).symlink_to(ROOT / link)
     path = dest / "vllm_kvchecksum" / mutation["file"]
     text = path.read_text()
