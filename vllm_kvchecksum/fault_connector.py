@@ -769,7 +769,10 @@ class KVChecksumFaultConnector(MultiConnector):
         plan = self._send_candidates.pop(request.request_id, None)
         if plan is None:
             return
-        if delay_free and request.status.name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
+        from vllm_kvchecksum.scheduler import NORMAL_FINISHES
+
+        # Only these finishes send checksums (KVChecksumScheduler.request_finished).
+        if delay_free and request.status.name in NORMAL_FINISHES:
             self._send_faults[request.request_id] = plan
         else:
             self._write(injection_record(request_id=request.request_id, kind=plan.kind, side="scheduler",
@@ -804,7 +807,8 @@ class KVChecksumFaultConnector(MultiConnector):
                                         prompt, self._null_block_id())
                 plans[req_id] = (prompt, {g: (b.start, tuple(b.block_ids)) for g, b in groups.items()})
             except Exception:
-                logger.exception("KV checksum drill: the ground truth of producer request %s failed.", req_id)
+                logger.exception("KV checksum drill: the prompt blocks of producer request %s could not be read "
+                                 "(no ground truth, no send fault for it).", req_id)
         return plans
 
     def _load_groups(self, request: Request, num_external_tokens: int

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 from vllm_kvchecksum.blocks import GroupLayout, group_blocks, request_blocks
 from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY, KVChecksumCarrier
 from vllm_kvchecksum import incident, metrics
-from vllm_kvchecksum.compare import (CheckStatus, LoadVerdict, UnverifiedReason, compare_load, format_positions,
-                                     sum_producer)
+from vllm_kvchecksum.compare import (CheckStatus, LoadVerdict, ProducerSum, UnverifiedReason, compare_load,
+                                     format_positions, sum_producer)
 from vllm_kvchecksum.offload import OFFLOADED_SOURCE, compare_offloaded
 from vllm_kvchecksum.payload import KVChecksumPayload, max_encoded_size, max_packed_size
 from vllm_kvchecksum.recheck import RecheckResult, RecheckStatus, recheck
@@ -55,7 +55,7 @@ logger = logging.getLogger("vllm.kv_checksum")
 
 # Finish statuses after which a producer's checksums are sent; an aborted
 # request sends none.
-_NORMAL_FINISHES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+NORMAL_FINISHES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
 # Every client_reason starts with it; vLLM's OpenAI server passes such a
@@ -655,16 +655,14 @@ class KVChecksumScheduler:
         request (counted as "not_carried").
         """
         pending = self._sends.pop(request.request_id, None)
-        if pending is None or request.status.name not in _NORMAL_FINISHES:
+        if pending is None or request.status.name not in NORMAL_FINISHES:
             return kv_transfer_params
         carrier = self.connector.kv_checksum_carrier(request, False)
         in_params = carrier is KVChecksumCarrier.KV_TRANSFER_PARAMS and kv_transfer_params is not None
         if not in_params and carrier is not KVChecksumCarrier.CONNECTOR:
             self._not_carried(request.request_id, carrier, kv_transfer_params)
             return kv_transfer_params
-        scheduled = {g: (b.start, len(b.block_ids)) for g, b in pending.blocks.groups.items()}
-        result = sum_producer(pending.records, request.request_id, self.num_workers, scheduled,
-                              pending.blocks.num_tokens, self.tp_size)
+        result = self._sum_own(request.request_id, pending)
         if result.payload is None:
             self.stats["not_sent"] += 1
             self._metrics[metrics.labelled(metrics.NOT_SENT, "sum_failed")] += 1
@@ -732,15 +730,24 @@ class KVChecksumScheduler:
                 continue
             done.append(rid)
             try:
-                scheduled_groups = {g: (b.start, len(b.block_ids)) for g, b in sent.blocks.groups.items()}
-                again = sum_producer(sent.records, rid, self.num_workers, scheduled_groups,
-                                     sent.blocks.num_tokens, self.tp_size)
+                again = self._sum_own(rid, sent)
                 result = recheck(sent.expected, again.payload, again.reason)
             except Exception as exc:
                 logger.exception("KV checksums: re-checking the KV of request %s raised; it is not re-checked.", rid)
                 result = RecheckResult(RecheckStatus.NOT_RECHECKED, reason=f"comparing raised {type(exc).__name__}")
             self._producer_result(rid, sent, result, "sum_failed")
         return done
+
+    def _sum_own(self, rid: str, pending: _Pending) -> ProducerSum:
+        """This producer's workers' records of a request, summed over the blocks they were asked for."""
+        scheduled = {g: (b.start, len(b.block_ids)) for g, b in pending.blocks.groups.items()}
+        return sum_producer(pending.records, rid, self.num_workers, scheduled, pending.blocks.num_tokens,
+                            self.tp_size)
+
+    def _own_sizes(self) -> dict[str, Any]:
+        """This side's TP and PP sizes and block sizes, as its incident lines name them."""
+        return {"tp_size": self.tp_size, "pp_size": self.num_workers // max(self.tp_size, 1),
+                "block_sizes": {layout.group_id: layout.block_size for layout in self.layouts}}
 
     def _producer_result(self, rid: str, sent: _Pending, result: RecheckResult, not_rechecked_reason: str) -> None:
         """Count, log and write the incident line of one producer re-check."""
@@ -760,10 +767,7 @@ class KVChecksumScheduler:
             logger.debug("KV checksums: the KV of producer request %s is not re-checked: %s.", rid, result.reason)
         incident.emit(incident.producer_record(
             request_id=rid, transfer_id=sent.remote[0], result=result.status.value, groups=result.changed,
-            engine_id=self.engine_id,
-            connector=self.connector_name, carrier=sent.carrier, tp_size=self.tp_size,
-            pp_size=self.num_workers // max(self.tp_size, 1),
-            block_sizes={layout.group_id: layout.block_size for layout in self.layouts},
+            engine_id=self.engine_id, connector=self.connector_name, carrier=sent.carrier, **self._own_sizes(),
             reason=result.reason, now=time.time()))
 
     def release_send(self, req_id: str) -> None:
@@ -952,8 +956,7 @@ class KVChecksumScheduler:
             request_id=verdict.req_id, verdict=verdict.status.value, source=verdict.source,
             groups=verdict.mismatched_blocks, remote_request_id=pending.remote[0],
             remote_engine_id=pending.remote[1], engine_id=self.engine_id, connector=self.connector_name,
-            carrier=pending.carrier, tp_size=self.tp_size, pp_size=self.num_workers // max(self.tp_size, 1),
-            block_sizes={layout.group_id: layout.block_size for layout in self.layouts},
+            carrier=pending.carrier, **self._own_sizes(),
             producer_tp_size=None if expected is None else expected.producer_tp_size,
             producer_block_sizes=None if expected is None else {g: e.block_size for g, e in expected.groups.items()},
             now=time.time()))
