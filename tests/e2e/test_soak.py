@@ -33,7 +33,13 @@ def test_every_check_of_the_soak_passes(soak):
 def test_every_victim_is_a_mismatch_and_no_clean_load_is(soak):
     _, report, _ = soak
     det = report["detection"]
-    assert det["victims_missed"] == [] and det["victims_caught"] == det["victim"]
+    # A victim whose client hung up before its load was judged is excused
+    # (nobody used that KV; at most as many as the consumer counted
+    # not_compared{request_ended}): how many there are depends on timing,
+    # and a loaded machine makes one now and then.
+    excused = det["victims_ended_unjudged"]
+    assert det["victims_missed"] == [] and det["victims_caught"] + len(excused) == det["victim"]
+    assert det["victims_caught"] > 0
     assert det["false_alarms"] == [] and det["clean"] >= 200
 
 
