@@ -30,7 +30,7 @@ from vllm_kvchecksum.definition import (MAX_KV_HEADS_PER_LAYER, PIECE_BITS,
                                         PIECE_BITS_SUPPORTED, slice_factor_base)
 
 LAYOUTS = ("HND", "NHD")
-PATHS = ("auto", "torch", "triton")
+PATHS = ("auto", "torch", "triton", "numba")
 
 # Layers are numbered from their names; the bound keeps layer * H + head,
 # which the kernel takes as a run-time integer, far from int64 overflow.
@@ -135,10 +135,11 @@ class LayerView:
     layer: the layer number (from the layer's name).
     first_head: the global index of this rank's first KV head; the rank
       holds heads first_head .. first_head + heads - 1.
-    path: "auto" (Triton on CUDA when it imports, else PyTorch), "torch" or
-      "triton" (forcing it is for tests and benchmarks; on CPU tensors the
-      kernel runs only under TRITON_INTERPRET=1). The chosen path is the
-      `path` attribute, which may also be reassigned.
+    path: "auto" (Triton on CUDA when it imports, the Numba pass on CPU
+      when numba imports, else PyTorch), "torch", "numba" (CPU tensors
+      only) or "triton" (forcing one is for tests and benchmarks; on CPU
+      tensors the kernel runs only under TRITON_INTERPRET=1). The chosen
+      path is the `path` attribute, which may also be reassigned.
     piece_bits: the piece width. 64 (the default, and always for attention
       KV): cells are split into little-endian 8-byte pieces, so the cell
       dimension must be contiguous and cells 8-byte aligned. 16 or 32 (Mamba
@@ -230,15 +231,25 @@ class LayerView:
         self.pieces_per_token = offset
         self.factor_base = slice_factor_base(layer, first_head)
         self.path = self._choose_path(path)
-        self._torch_path = None  # weights are set up only if that path runs
+        self._path_impl = None  # set up on first use, for the path then chosen
+        self._path_impl_for = None
 
     def _choose_path(self, path: str) -> str:
-        from vllm_kvchecksum.kernels import triton_available
+        from vllm_kvchecksum import kernels
         if path == "auto":
-            use_triton = self.device.type == "cuda" and triton_available()
-            return "triton" if use_triton else "torch"
-        if path == "triton" and not triton_available():
+            if self.device.type == "cuda" and kernels.triton_available():
+                return "triton"
+            if self.device.type == "cpu" and kernels.numba_available():
+                return "numba"
+            return "torch"
+        if path == "triton" and not kernels.triton_available():
             raise ValueError("path='triton' was forced but triton does not import")
+        if path == "numba":
+            if not kernels.numba_available():
+                raise ValueError("path='numba' was forced but numba does not import")
+            if self.device.type != "cpu":
+                raise ValueError(
+                    f"path='numba' reads host memory; the cache is on {self.device}")
         return path
 
     @property
@@ -270,19 +281,28 @@ class LayerView:
             triton_kernel.accumulate(self, out, column, block_ids,
                                      first_tokens, valid_tokens)
         else:
-            if self._torch_path is None:
-                from vllm_kvchecksum.kernels.torch_path import TorchLayerPath
-                self._torch_path = TorchLayerPath(self)
-            self._torch_path.accumulate(out, column, block_ids, first_tokens,
-                                        valid_tokens)
+            if self._path_impl_for != self.path:
+                self._path_impl = self._make_path_impl()
+                self._path_impl_for = self.path
+            self._path_impl.accumulate(out, column, block_ids, first_tokens,
+                                       valid_tokens)
+
+    def _make_path_impl(self):
+        if self.path == "numba":
+            from vllm_kvchecksum.kernels.numba_path import NumbaLayerPath
+            return NumbaLayerPath(self)
+        from vllm_kvchecksum.kernels.torch_path import TorchLayerPath
+        return TorchLayerPath(self)
 
     def warm_up(self) -> None:
-        """Compile the kernel for this layer's shape with one all-masked row.
+        """Compile the path's code for this layer with one all-masked row.
 
-        Runs at startup so compilation does not land in the first step that
-        checksums; a no-op on the PyTorch path.
+        Runs at startup so compilation (Triton's per shape, Numba's per
+        piece width, loaded from its disk cache after the first run) does
+        not land in the first step that checksums; a no-op on the PyTorch
+        path.
         """
-        if self.path != "triton":
+        if self.path == "torch":
             return
         out = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
         rows = torch.zeros(3, 2, dtype=torch.int64, device=self.device)

@@ -268,13 +268,21 @@ def test_two_requests_two_groups_partial_blocks_odd_rows():
                 assert gid not in out.finalize()[0].requests[rid]
 
 
-def test_chunked_gathers_give_the_same_values(monkeypatch):
-    from vllm_kvchecksum.kernels import torch_path
+def test_the_pytorch_fallback_in_chunks_gives_the_same_values(monkeypatch):
+    """The worker on the Numba pass (the default on CPU), and on the PyTorch
+    path (where numba does not import) in small chunks, agree."""
+    from vllm_kvchecksum import kernels
+    from vllm_kvchecksum.kernels import numba_path, torch_path
 
     config, caches = build_caches([KVCacheGroupSpec(LAYERS, attn())], NUM_BLOCKS)
+    calls = numba_path.call_count
     whole = values([worker(config, caches).compute(REQ, replica_zero_only=True)])
+    assert numba_path.call_count > calls
+    monkeypatch.setattr(kernels, "numba_available", lambda: False)
     monkeypatch.setattr(torch_path, "GATHER_CHUNK_BYTES", 1024)
+    calls = numba_path.call_count
     assert values([worker(config, caches).compute(REQ, replica_zero_only=True)]) == whole
+    assert numba_path.call_count == calls
 
 
 def skip_cases():

@@ -1,4 +1,4 @@
-"""LayerView and the PyTorch path against the independent reference.
+"""LayerView and both CPU paths (Numba, PyTorch) against the independent reference.
 
 Every value must be the definition's, whatever the memory layout, the TP
 or PP split, or the block size; misplaced data must change it.
@@ -15,6 +15,9 @@ from vllm_kvchecksum.kernels import torch_path
 from vllm_kvchecksum.layer_view import LayerView
 
 MOD = 2**64
+
+# Every test runs on the Numba path and on the PyTorch fallback (conftest).
+pytestmark = pytest.mark.usefixtures("cpu_path")
 
 
 def values(caches, ids, num_tokens, **kw):
@@ -194,13 +197,13 @@ def test_empty_rows_do_not_read_their_block_id(kv):
     assert out[0, 0] == 0 and out[1, 0] != 0
 
 
-def test_view_properties(kv):
+def test_view_properties(kv, cpu_path):
     caches = [to_layout(c, "NHD", 2) for c in kv]
     view = LayerView(caches, block_size=8, layer=0, layout="NHD")
     assert (view.num_blocks, view.pieces_per_token, view.kernel_blocks_per_block) == (6, 8, 4)
-    assert view.path == "torch" and view.piece_bits == 64
+    assert view.path == cpu_path and view.piece_bits == 64
     assert view.block_bytes == 4 * 8 * 64
-    view.warm_up()  # no-op on the PyTorch path
+    view.warm_up()  # compiles (or loads) the Numba pass; a no-op on the PyTorch path
 
 
 def test_no_copy_of_the_cache(kv):

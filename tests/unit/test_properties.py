@@ -1,5 +1,7 @@
-"""Property tests: random shapes, layouts and requests against the reference."""
+"""Property tests: random shapes, layouts and requests against the reference,
+on both CPU paths (Numba, PyTorch; the cpu_path fixture)."""
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -8,6 +10,8 @@ import reference
 from kvcaches import random_cache, to_layout
 from vllm_kvchecksum import layer_block_checksums
 from vllm_kvchecksum.kernels import torch_path
+
+pytestmark = pytest.mark.usefixtures("cpu_path")
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,4 +1,4 @@
-"""Mamba (SSM) state rows in 16- and 32-bit pieces, on the PyTorch path.
+"""Mamba (SSM) state rows in 16- and 32-bit pieces, on both CPU paths.
 
 A state segment is checksummed per row (a channel or head of the state):
 its pieces are the row's elements read as unsigned 2- or 4-byte integers,
@@ -47,7 +47,7 @@ def signed_reference(page, segments, block_ids, layer):
 
 
 @pytest.mark.parametrize("name", DTYPES)
-def test_states_in_a_page_match_reference(name):
+def test_states_in_a_page_match_reference(name, cpu_path):
     """Contiguous ((dim, len) conv, (heads, hd*ds) temporal) and strided
     ((len, dim) conv, as a permute and as as_strided) states at unaligned
     offsets of a padded page, block ids out of order, an empty row."""
@@ -56,7 +56,7 @@ def test_states_in_a_page_match_reference(name):
     segs = state_segments(dtype)
     ids, valid = [3, 0, 4, 1, 2], [1, 1, 1, 1, 0]
     for layer, column in ((3, 0), (2**20 + 1, 1)):
-        out = state_accumulate(page, segs, ids, valid, layer=layer, path="torch",
+        out = state_accumulate(page, segs, ids, valid, layer=layer, path=cpu_path,
                                cols=2, column=column)
         assert (out[:, 1 - column] == 5).all()
         want = state_reference(page, segs, ids[:4], layer)
@@ -68,7 +68,7 @@ def test_states_in_a_page_match_reference(name):
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp32"])
-def test_first_row_offsets_and_segment_sums(name):
+def test_first_row_offsets_and_segment_sums(name, cpu_path):
     """A segment's rows take global rows first_head.. : splitting a state into
     two segments with the right first rows gives the whole state's value, and
     wrong first rows do not."""
@@ -79,21 +79,21 @@ def test_first_row_offsets_and_segment_sums(name):
     ids, valid = [2, 0, 1], [1, 1, 1]
     base = MAX_KV_HEADS_PER_LAYER - 12
     whole = state_accumulate(page, [(offset, dtype, "rows", 12, 5, base)], ids, valid,
-                             layer=9, path="torch")
+                             layer=9, path=cpu_path)
     assert got(whole) == state_reference(
         page, [(offset, dtype, "rows", 12, 5, base)], ids, 9)
     halves = [(offset, dtype, "rows", 7, 5, base),
               (offset + 7 * 5 * esize, dtype, "rows", 5, 5, base + 7)]
-    assert torch.equal(state_accumulate(page, halves, ids, valid, layer=9, path="torch"),
+    assert torch.equal(state_accumulate(page, halves, ids, valid, layer=9, path=cpu_path),
                        whole)
     shifted = [halves[0], (*halves[1][:5], base + 6)]
     assert not torch.equal(
-        state_accumulate(page, shifted, ids, valid, layer=9, path="torch"), whole)
+        state_accumulate(page, shifted, ids, valid, layer=9, path=cpu_path), whole)
 
 
 @pytest.mark.parametrize("name", ["bf16", "int32"])
 @pytest.mark.parametrize("ids", [[1, 2, 3, 4], [4, 1, 3, 0]])
-def test_chunked_and_in_place_gathers(monkeypatch, name, ids):
+def test_chunked_and_in_place_gathers(monkeypatch, name, ids, cpu_path):
     """Chunks of one block (each summed in place, a strided view of the page)
     and of all blocks (consecutive ids in place, others gathered) agree."""
     dtype = DTYPES[name]
@@ -101,9 +101,9 @@ def test_chunked_and_in_place_gathers(monkeypatch, name, ids):
     segs = state_segments(dtype)
     valid = [1] * len(ids)
     want = state_reference(page, segs, ids, 5)
-    assert got(state_accumulate(page, segs, ids, valid, layer=5, path="torch")) == want
+    assert got(state_accumulate(page, segs, ids, valid, layer=5, path=cpu_path)) == want
     monkeypatch.setattr(torch_path, "CPU_CHUNK_BYTES", 8)
-    assert got(state_accumulate(page, segs, ids, valid, layer=5, path="torch")) == want
+    assert got(state_accumulate(page, segs, ids, valid, layer=5, path=cpu_path)) == want
 
 
 def test_view_is_not_a_copy():
@@ -140,7 +140,7 @@ def test_unsupported_width_is_refused():
                   piece_bits=8)
 
 
-def test_worked_example():
+def test_worked_example(cpu_path):
     """Two rows of two int16 elements, by hand: -1 and -32768 count as 65535
     and 32768, element j has weight 2j+1, rows 2 and 3 of layer 1."""
     state = torch.tensor([[-1, 1], [2, -32768]], dtype=torch.int16).view(1, 2, 1, 2)

@@ -1,0 +1,186 @@
+"""The Numba pass: chosen on CPU, equal to the PyTorch path at real sizes,
+safe with bad block ids, and compiled once (on disk) rather than per request.
+
+The reference tests (test_layer_view, test_properties, test_state_pieces) run
+on both CPU paths; these cover what only the compiled pass has.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_kvchecksum import kernels
+from vllm_kvchecksum.kernels import numba_path
+from vllm_kvchecksum.layer_view import LayerView
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def kv(blocks, heads, tokens, head_size, layout="HND", dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (blocks, heads, tokens, head_size) if layout == "HND" else (
+        blocks, tokens, heads, head_size)
+    return [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]
+
+
+def both_paths(caches, ids, t0, valid, **kw):
+    outs = []
+    for path in ("numba", "torch"):
+        view = LayerView(caches, path=path, **kw)
+        out = torch.full((len(ids), 2), 3, dtype=torch.int64)
+        view.accumulate(out, 1, torch.tensor(ids), torch.tensor(t0), torch.tensor(valid))
+        outs.append(out)
+    return outs
+
+
+def test_auto_picks_numba_on_cpu_and_torch_without_it(monkeypatch):
+    k, v = kv(4, 2, 16, 64)
+    view = LayerView([k, v], block_size=16, layer=0)
+    assert view.path == "numba"
+    before = numba_path.call_count
+    out = torch.zeros(1, 1, dtype=torch.int64)
+    one = torch.ones(1, dtype=torch.int64)
+    view.accumulate(out, 0, one, one * 0, one * 16)
+    assert numba_path.call_count == before + 1 and out[0, 0] != 0
+    monkeypatch.setattr(kernels, "numba_available", lambda: False)
+    assert LayerView([k, v], block_size=16, layer=0).path == "torch"
+    with pytest.raises(ValueError, match="numba does not import"):
+        LayerView([k, v], block_size=16, layer=0, path="numba")
+
+
+def test_a_device_cache_never_takes_the_numba_path():
+    k = torch.empty(4, 2, 16, 64, dtype=torch.bfloat16, device="meta")
+    assert LayerView([k], block_size=16, layer=0).path == "torch"
+    with pytest.raises(ValueError, match="host memory"):
+        LayerView([k], block_size=16, layer=0, path="numba")
+
+
+def test_valid_counts_past_the_block_count_as_full():
+    caches = kv(4, 2, 8, 64)
+    ids, t0 = [1, 0], [0, 16]
+    over, full = (both_paths(caches, ids, t0, valid, block_size=16, layer=1)
+                  for valid in ([20, 16 + 8 * 10**6], [16, 16]))
+    assert torch.equal(over[0], full[0]) and torch.equal(over[1], full[1])
+
+
+def test_a_layer_of_no_heads_adds_nothing():
+    k = torch.zeros(4, 0, 16, 64, dtype=torch.bfloat16)
+    view = LayerView([k, k], block_size=16, layer=0, path="numba")
+    out = torch.full((1, 1), 9, dtype=torch.int64)
+    view.accumulate(out, 0, torch.tensor([1]), torch.tensor([0]), torch.tensor([16]))
+    assert out[0, 0] == 9
+
+
+def test_a_device_view_switched_to_numba_refuses():
+    k = torch.empty(4, 2, 16, 64, dtype=torch.bfloat16, device="meta")
+    view = LayerView([k], block_size=16, layer=0)
+    view.path = "numba"
+    rows = torch.zeros(1, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="host memory"):
+        view.accumulate(torch.zeros(1, 1, dtype=torch.int64, device="meta"), 0, rows, rows, rows)
+
+
+def test_numba_that_does_not_import_is_unavailable(monkeypatch):
+    kernels.numba_available.cache_clear()
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+    try:
+        assert kernels.numba_available() is False
+    finally:
+        kernels.numba_available.cache_clear()
+
+
+def test_a_layer_of_no_blocks():
+    k = torch.zeros(0, 2, 16, 80, dtype=torch.bfloat16)[..., :64]  # padded cells
+    view = LayerView([k, k], block_size=16, layer=0, path="numba")
+    out = torch.zeros(1, 1, dtype=torch.int64)
+    view.accumulate(out, 0, torch.tensor([7]), torch.tensor([0]), torch.tensor([0]))
+    assert out[0, 0] == 0
+    with pytest.raises(IndexError, match="outside the layer's 0 blocks"):
+        view.accumulate(out, 0, torch.tensor([0]), torch.tensor([0]), torch.tensor([1]))
+
+
+@pytest.mark.parametrize("layout,tokens,block_size,head_size", [
+    ("HND", 16, 16, 128),  # 32 pieces a token, the common case
+    ("NHD", 16, 16, 128),
+    ("HND", 16, 32, 80),  # two kernel blocks a block; 20 pieces (vector remainder)
+    ("NHD", 8, 16, 96),
+    ("HND", 16, 16, 576),  # an MLA-sized cell: 144 pieces
+])
+def test_equals_the_torch_path_at_real_sizes(layout, tokens, block_size, head_size):
+    caches = kv(24, 4, tokens, head_size, layout, seed=head_size)
+    rng = np.random.default_rng(head_size)
+    blocks = 24 // (block_size // tokens)
+    ids = rng.permutation(blocks).tolist()
+    t0 = [block_size * i for i in range(blocks)]
+    valid = [block_size] * blocks
+    valid[-1], valid[3], valid[5] = 5, 0, block_size - 1  # partial rows, an empty one
+    numba_out, torch_out = both_paths(caches, ids, t0, valid, block_size=block_size,
+                                      layer=7, first_head=12, layout=layout)
+    assert torch.equal(numba_out, torch_out)
+    assert (numba_out[:, 0] == 3).all() and numba_out[3, 1] == 3
+
+
+@pytest.mark.parametrize("bad", [24, -1, 10**12])
+@pytest.mark.parametrize("kernel_tokens", [16, 8])  # 8: two kernel blocks a block
+def test_a_bad_block_id_raises_and_adds_nothing(bad, kernel_tokens):
+    k, v = kv(24 * 16 // kernel_tokens, 2, kernel_tokens, 64)
+    view = LayerView([k, v], block_size=16, layer=0, path="numba")
+    out = torch.full((3, 1), 5, dtype=torch.int64)
+    ids = torch.tensor([1, bad, 2])
+    with pytest.raises(IndexError, match=f"block id {bad} of row 1 is outside the layer's 24 "):
+        view.accumulate(out, 0, ids, torch.tensor([0, 16, 32]), torch.tensor([16, 16, 16]))
+    assert (out == 5).all()  # row 0 was summed before row 1 failed, and not added
+    # An empty row's id is never read, whatever it holds.
+    view.accumulate(out, 0, ids, torch.tensor([0, 16, 32]), torch.tensor([16, 0, 16]))
+    assert out[1, 0] == 5 and out[0, 0] != 5
+
+
+_WARM_UP = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+from vllm_kvchecksum.kernels import numba_path
+from vllm_kvchecksum.layer_view import LayerView
+k = torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16)
+LayerView([k, k], block_size=16, layer=0).warm_up()
+state = torch.zeros(4, 3, 1, 10, dtype=torch.float16)
+LayerView(state, block_size=1, layer=1, piece_bits=16).warm_up()
+stats = numba_path._cache_rows.stats
+print(json.dumps({{"hits": len(stats.cache_hits), "misses": len(stats.cache_misses),
+                  "calls": numba_path.call_count}}))
+"""
+
+
+def test_warm_up_compiles_once_and_later_starts_load_it(tmp_path):
+    """A fresh worker compiles at warm-up (not in a request); the next one
+    loads the compiled code from numba's disk cache."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    code = _WARM_UP.format(root=ROOT)
+
+    def start():
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=300, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = start()
+    assert first == {"hits": 0, "misses": 2, "calls": 2}  # 64-bit and 16-bit pieces
+    assert start() == {"hits": 2, "misses": 0, "calls": 2}
+
+
+def test_reassigning_the_path_switches_code():
+    k, v = kv(4, 2, 16, 64)
+    view = LayerView([k, v], block_size=16, layer=0)
+    one = torch.ones(1, dtype=torch.int64)
+    outs = []
+    for path in ("numba", "torch"):
+        view.path = path
+        calls = numba_path.call_count
+        out = torch.zeros(1, 1, dtype=torch.int64)
+        view.accumulate(out, 0, one, one * 0, one * 16)
+        assert numba_path.call_count == calls + (path == "numba")
+        outs.append(out)
+    assert torch.equal(*outs)
