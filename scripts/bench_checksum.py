@@ -4,19 +4,22 @@
 (a) rows: host time to build the per-block rows of one call, the numpy
     builder (vllm_kvchecksum.rows.build_rows) against a per-block Python
     loop that fills three lists and turns each into a tensor.
-(b) cpu: the PyTorch path's read rate (GB/s of KV read) on one layer,
-    against zlib.adler32 (SGLang's choice), zlib.crc32, a numpy sum (the
+(b) cpu: the read rate (GB/s of KV read) of both CPU paths on one layer,
+    the Numba pass (the default on CPU) and the PyTorch fallback, against
+    zlib.adler32 (SGLang's choice), zlib.crc32, a numpy sum (the
     memory-read limit) and, when installed (`pip install -e .[bench]`),
     xxHash XXH3-64 (`xxhash`, LMCache's) and CRC32C (`google-crc32c`, vLLM's
     filesystem offload tier's) over the same bytes in the same run, and
     against two other ways to compute the same sums (multiply-and-sum, and
-    matrix-vector products), asserted equal; with the path's two costs
-    apart (the gather alone, the two sums alone); against a copy of the
-    same blocks (the least a transfer of them does, the baseline of a
-    producer's re-check, which is one more checksum call per transfer); and, where gcc is found,
-    against a single-pass C prototype of the same sums
-    (scripts/bench_fused_cpu.c, built for this CPU at bench time; not part
-    of the package), asserted equal.
+    matrix-vector products), asserted equal; with the PyTorch path's two
+    costs apart (the gather alone, the two sums alone); and against a copy
+    of the same blocks (the least a transfer of them does, the baseline of
+    a producer's re-check, which is one more checksum call per transfer);
+    and against reading the same blocks in the same shuffled order one block
+    at a time (a compiled plain sum of each block, XXH3-64 of each block). Then the Numba pass's ratios to the two goals (issue 24: at least 0.5x
+    the numpy sum, at least 1x XXH3, shuffled block ids), and its startup
+    cost: the first warm_up in a fresh process with an empty disk cache
+    (compiling) and with the cache a first start left (loading).
 (c) cuda (only with a CUDA device): one layer of 2048 blocks x 8 heads x 16
     tokens x 128 head size, bf16 K and V, and rows of about 1 MB (the size
     of Mamba states), with both paths, against a device-to-device copy of
@@ -25,8 +28,14 @@
     python scripts/bench_checksum.py [--quick] [--only rows,cpu,cuda]
         [--threads N] [--markdown FILE]
 
-No vllm needed. zlib and numpy run on one thread, so the CPU path runs on
---threads (default 1) for a like-for-like comparison.
+No vllm needed. zlib, numpy and the Numba pass run on one thread, so the
+PyTorch path runs on --threads (default 1) for a like-for-like comparison.
+The header names the CPU's vector flags and the ones the code was built
+for: to measure AVX2-only code on an AVX-512 machine, run with
+NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=-avx512f (both: numba takes the
+host's features when only the name is set), ATEN_CPU_CAPABILITY=avx2 and
+NPY_DISABLE_CPU_FEATURES set to numpy's AVX-512 features
+(docs/performance.md has the command).
 """
 
 from __future__ import annotations
@@ -214,40 +223,51 @@ def cpu_vector_flags() -> str:
     return " ".join(w for w in wanted if w in flags) or "none of " + "/".join(wanted)
 
 
-def compiled_prototype(view: LayerView):
-    """The single-pass C prototype (scripts/bench_fused_cpu.c), built with the
-    machine's gcc for this CPU, as a function of (ids, t0) giving the rows'
-    checksums of full blocks; None, with the reason on stderr, when there is
-    no compiler. Bench only: the package has no compiled code."""
-    import ctypes
-    import shutil
-    import subprocess
-    import tempfile
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_fused_cpu.c")
-    if view.layout != "HND" or view.kernel_blocks_per_block != 1 or view.piece_bits != 64:
-        return None
-    if shutil.which("gcc") is None:
-        print("no gcc: no compiled-prototype row", file=sys.stderr)
-        return None
-    lib_path = os.path.join(tempfile.mkdtemp(prefix="kvcs-bench-"), "fused.so")
-    subprocess.run(["gcc", "-O3", "-march=native", "-shared", "-fPIC", "-o", lib_path, src],
-                   check=True)
-    fn = ctypes.CDLL(lib_path).kvcs_block_rows
-    fn.restype = ctypes.c_int
-    i64, u64, ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+def built_for() -> str:
+    """What the compiled code in this run targets: numba's CPU (the host's,
+    or NUMBA_CPU_NAME) and the AVX-512 features numpy was told not to use."""
+    import numba
+    target = " ".join(filter(None, (os.environ.get("NUMBA_CPU_NAME"),
+                                    os.environ.get("NUMBA_CPU_FEATURES")))) or "host"
+    disabled = os.environ.get("NPY_DISABLE_CPU_FEATURES", "").split()
+    numpy_avx512 = "off" if any(f.startswith("AVX512") for f in disabled) else "as the CPU has"
+    torch_isa = os.environ.get("ATEN_CPU_CAPABILITY") or "as the CPU has"
+    return (f"numba {numba.__version__} built for {target} CPU, numpy AVX-512 {numpy_avx512}, "
+            f"torch ISA {torch_isa}")
 
-    def run(ids: torch.Tensor, t0: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(ids.shape[0], dtype=torch.int64)
-        for cache in view.caches:
-            p = cache.pieces
-            rc = fn(ptr(p.data_ptr()), i64(cache.block_stride), i64(view.num_heads),
-                    i64(view.kernel_tokens), i64(cache.num_pieces), i64(cache.head_stride),
-                    i64(cache.token_stride), ptr(ids.data_ptr()), ptr(t0.data_ptr()),
-                    i64(ids.shape[0]), u64(view.factor_base), u64(view.pieces_per_token),
-                    u64(cache.piece_offset), ptr(out.data_ptr()))
-            assert rc == 0
-        return out
-    return run
+
+def rows_order_floors(view: LayerView, raw: list[np.ndarray], ids: torch.Tensor) -> list:
+    """The same blocks read in the same shuffled order, one block at a time,
+    with no checksum arithmetic: a compiled plain sum of each block, and
+    XXH3-64 of each block where it lies (when xxhash is installed). Bench
+    only."""
+    import numba
+
+    @numba.njit(boundscheck=False)
+    def plain_sum(flat, order, block):
+        total = np.int64(0)
+        for r in range(order.shape[0]):
+            start = order[r] * block
+            x = flat[start:start + block]
+            for e in range(block):
+                total += x[e]
+        return total
+
+    flats = [c.pieces.reshape(-1).numpy() for c in view.caches]
+    block = view.caches[0].block_stride
+    order = ids.numpy()
+    plain_sum(flats[0], order[:1], block)  # compile outside the timing
+    rows = [("plain sum of each block, shuffled order",
+             lambda: [plain_sum(f, order, block) for f in flats])]
+    try:
+        import xxhash
+    except ImportError:
+        return rows
+    block_bytes = raw[0].nbytes // view.num_blocks
+    blocks = [[r[i * block_bytes:(i + 1) * block_bytes] for i in order.tolist()] for r in raw]
+    rows.append(("xxhash.xxh3_64 of each block, shuffled order",
+                 lambda: [[xxhash.xxh3_64_intdigest(b) for b in bs] for bs in blocks]))
+    return rows
 
 
 def gather_and_sums(view: LayerView, chunk_rows: int):
@@ -277,6 +297,8 @@ def bench_cpu(quick: bool, threads: int) -> Table:
     reps = 3 if quick else 11
     k, v = layer_kv(num_blocks, 8, 16, 128)
     view = LayerView([k, v], block_size=16, layer=5, first_head=8, path="torch")
+    compiled = LayerView([k, v], block_size=16, layer=5, first_head=8, path="numba")
+    compiled.warm_up()
     nbytes = 2 * k.numel() * k.element_size()
     table = Table(f"(b) CPU, one layer: {num_blocks} blocks x 8 heads x 16 tokens x 128, "
                   f"bf16 K and V ({nbytes >> 20} MB), torch threads {threads}",
@@ -287,19 +309,20 @@ def bench_cpu(quick: bool, threads: int) -> Table:
     full = torch.full((num_blocks,), 16, dtype=torch.int64)
     out = torch.zeros(num_blocks, 1, dtype=torch.int64)
 
-    def package(ids):
+    def package(ids, path_view=view):
         out.zero_()
-        view.accumulate(out, 0, ids, t0, full)
+        path_view.accumulate(out, 0, ids, t0, full)
         return out[:, 0].clone()
 
+    def numba_pass(ids):
+        return package(ids, compiled)
+
     expect = package(shuffled)
+    assert torch.equal(numba_pass(shuffled), expect), "Numba pass"
     chunk_rows = (4 << 20) // (nbytes // num_blocks // 2)
     alternatives = {kind: alternative(view, kind, chunk_rows) for kind in ("mul_sum", "mv")}
     for kind, run in alternatives.items():
         assert torch.equal(run(shuffled, t0), expect), kind
-    fused = compiled_prototype(view)
-    if fused is not None:
-        assert torch.equal(fused(shuffled, t0), expect), "compiled prototype"
     gather_only, sums_only = gather_and_sums(view, CPU_CHUNK_BYTES // (nbytes // num_blocks // 2))
     raw = [t.view(torch.uint8).numpy() for t in (k, v)]
     # Into blocks that exist already, as a transfer writes into a KV cache.
@@ -312,8 +335,11 @@ def bench_cpu(quick: bool, threads: int) -> Table:
         ("zlib.crc32", lambda: [zlib.crc32(r) for r in raw]),
         *optional_peers(raw),
         ("numpy sum (uint64)", lambda: [p.sum() for p in pieces]),
-        ("checksums, shuffled block ids", lambda: package(shuffled)),
-        ("checksums, consecutive block ids",
+        ("Numba pass, shuffled block ids", lambda: numba_pass(shuffled)),
+        ("Numba pass, consecutive block ids",
+         lambda: numba_pass(torch.arange(num_blocks, dtype=torch.int64))),
+        ("PyTorch path, shuffled block ids", lambda: package(shuffled)),
+        ("PyTorch path, consecutive block ids",
          lambda: package(torch.arange(num_blocks, dtype=torch.int64))),
         ("alt: gather, multiply, sum", lambda: alternatives["mul_sum"](shuffled, t0)),
         ("alt: gather, 2 x mv", lambda: alternatives["mv"](shuffled, t0)),
@@ -324,16 +350,60 @@ def bench_cpu(quick: bool, threads: int) -> Table:
                                                          for t, b in zip((k, v), copies)]),
         ("part: the two sums alone, in place", sums_only),
     ]
-    if fused is not None:
-        candidates += [
-            ("C prototype (bench only), shuffled", lambda: fused(shuffled, t0)),
-            ("C prototype (bench only), consecutive",
-             lambda: fused(torch.arange(num_blocks, dtype=torch.int64), t0)),
-        ]
+    candidates += rows_order_floors(compiled, raw, shuffled)
     times = timeit_interleaved(dict(candidates), reps)
     for name, seconds in times.items():
         table.add(name, f"{seconds * 1e3:.1f}", f"{nbytes / seconds / 1e9:.1f}",
                   f"{times['zlib.adler32'] / seconds:.2f}x")
+    goals = Table("Numba pass against the goals (shuffled block ids; issue 24)",
+                  ["against", "ratio", "goal"])
+    ours = times["Numba pass, shuffled block ids"]
+    goals.add("numpy sum (uint64)", f"{times['numpy sum (uint64)'] / ours:.2f}x", ">= 0.5x")
+    if "xxhash.xxh3_64" in times:
+        goals.add("xxhash.xxh3_64", f"{times['xxhash.xxh3_64'] / ours:.2f}x", ">= 1x")
+    for floor in ("plain sum of each block, shuffled order",
+                  "xxhash.xxh3_64 of each block, shuffled order"):
+        if floor in times:
+            goals.add(floor, f"{times[floor] / ours:.2f}x", "(same order, a block at a time)")
+    goals.add("PyTorch path", f"{times['PyTorch path, shuffled block ids'] / ours:.2f}x", "")
+    goals.add("transfer floor (re-check / copy)",
+              f"{ours / times['transfer floor: copy of the blocks']:.2f}x", "(cost, lower is better)")
+    return table, goals
+
+
+_STARTUP = """
+import sys, time, torch
+sys.path.insert(0, {root!r})
+from vllm_kvchecksum.layer_view import LayerView
+k = torch.zeros(4, 8, 16, 128, dtype=torch.bfloat16)
+state = torch.zeros(4, 3, 1, 10, dtype=torch.float16)
+for name, view in (("64", LayerView([k, k], block_size=16, layer=0, path="numba")),
+                   ("16", LayerView(state, block_size=1, layer=1, piece_bits=16, path="numba"))):
+    start = time.perf_counter()
+    view.warm_up()
+    print(name, time.perf_counter() - start)
+"""
+
+
+def numba_startup() -> Table:
+    """Seconds of a view's first warm_up in a fresh process: compiling (empty
+    disk cache), then loading what that start cached (numba imported
+    first, in both)."""
+    import subprocess
+    import tempfile
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _STARTUP.format(root=root)
+    table = Table("Numba pass startup: first warm_up of a worker, per piece width",
+                  ["piece width", "empty cache (compiles), s", "cache of a first start (loads), s"])
+    with tempfile.TemporaryDirectory(prefix="kvcs-numba-cache-") as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        runs = []
+        for _ in range(2):
+            done = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                  capture_output=True, text=True)
+            runs.append(dict(line.split() for line in done.stdout.splitlines()))
+    for width in ("64", "16"):
+        table.add(f"{width}-bit", f"{float(runs[0][width]):.2f}", f"{float(runs[1][width]):.3f}")
     return table
 
 
@@ -407,7 +477,8 @@ def main() -> int:
     if "rows" in sections:
         tables.append(bench_rows(args.quick))
     if "cpu" in sections:
-        tables.append(bench_cpu(args.quick, args.threads))
+        tables.extend(bench_cpu(args.quick, args.threads))
+        tables.append(numba_startup())
     if "cuda" in sections:
         table = bench_cuda(args.quick)
         if table is None:
@@ -415,7 +486,7 @@ def main() -> int:
         else:
             tables.append(table)
     header = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
-              f"(vector flags: {cpu_vector_flags()}; the C prototype is built -march=native for them), "
+              f"(vector flags: {cpu_vector_flags()}; {built_for()}), "
               f"torch {torch.__version__}, numpy {np.__version__}"
               f"{', quick' if args.quick else ''}")
     print(header)

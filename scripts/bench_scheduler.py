@@ -2,7 +2,9 @@
 """Scheduler-side cost of KV checksums for one 128K-token prompt.
 
 Measures, in one run, the producer's sum of the workers' records, the
-payload's encode and decode, and the consumer's comparison, for 1 and 4
+payload's encode and decode, the consumer's comparison, and the producer's
+re-check when its transfer completes (kv_checksum_producer_recheck: the sum
+of the second records and its comparison with what was sent), for 1 and 4
 KV cache groups and TP 1 and 8 (one record per worker), as ratios to the
 scheduler's own step time for the same batch: a real vLLM Scheduler
 scheduling the 128K-token prompt in one step and processing its output.
@@ -309,9 +311,10 @@ def main() -> int:
     rng = np.random.default_rng(0)
     step = scheduler_step_time(args.tokens, args.repeat)
     print(f"scheduler step, one {args.tokens}-token prompt: {step * 1e3:.2f} ms (median of {args.repeat})\n")
+    from vllm_kvchecksum.recheck import RecheckStatus, recheck
     print("| groups | TP | producer sum ms | encode ms | payload KB | decode ms | consumer compare ms "
-          "| total / step |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| total / step | producer re-check ms | re-check / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for groups in (1, 4):
         for tp in (1, 8):
             recs = records(num_blocks, groups, tp, rng)
@@ -326,8 +329,14 @@ def main() -> int:
             assert verdict.status.value == "verified", verdict.describe()
             t_cmp = timed(lambda: compare_load(payload, recs, "r", tp, cons, args.tokens), args.repeat)
             total = t_sum + t_enc + t_dec + t_cmp
+
+            def producer_recheck():  # the second records summed as the first, then compared
+                return recheck(payload, sum_producer(recs, "r", tp, scheduled, args.tokens, tp).payload)
+            assert producer_recheck().status == RecheckStatus.INTACT
+            t_re = timed(producer_recheck, args.repeat)
             print(f"| {groups} | {tp} | {t_sum * 1e3:.2f} | {t_enc * 1e3:.2f} | {len(text) / 1e3:.0f} | "
-                  f"{t_dec * 1e3:.2f} | {t_cmp * 1e3:.2f} | {total / step:.3f} |")
+                  f"{t_dec * 1e3:.2f} | {t_cmp * 1e3:.2f} | {total / step:.3f} | {t_re * 1e3:.2f} | "
+                  f"{t_re / step:.3f} |")
     return 0
 
 

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+import reference
+from kvcaches import random_cache, to_layout
 from vllm_kvchecksum import kernels
 from vllm_kvchecksum.kernels import numba_path
 from vllm_kvchecksum.layer_view import LayerView
@@ -60,10 +62,11 @@ def test_a_device_cache_never_takes_the_numba_path():
         LayerView([k], block_size=16, layer=0, path="numba")
 
 
-def test_valid_counts_past_the_block_count_as_full():
-    caches = kv(4, 2, 8, 64)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_valid_counts_past_the_block_count_as_full(layout):
+    caches = kv(4, 2, 8, 64, layout)
     ids, t0 = [1, 0], [0, 16]
-    over, full = (both_paths(caches, ids, t0, valid, block_size=16, layer=1)
+    over, full = (both_paths(caches, ids, t0, valid, block_size=16, layer=1, layout=layout)
                   for valid in ([20, 16 + 8 * 10**6], [16, 16]))
     assert torch.equal(over[0], full[0]) and torch.equal(over[1], full[1])
 
@@ -123,6 +126,33 @@ def test_equals_the_torch_path_at_real_sizes(layout, tokens, block_size, head_si
                                       layer=7, first_head=12, layout=layout)
     assert torch.equal(numba_out, torch_out)
     assert (numba_out[:, 0] == 3).all() and numba_out[3, 1] == 3
+
+
+@pytest.mark.parametrize("kernel_tokens,padded", [(8, False), (4, False), (8, True)])
+def test_rows_of_full_and_partial_blocks_match_the_reference(kernel_tokens, padded):
+    """Full blocks in groups of four (and the ones left over), partial and
+    empty rows between them, repeated ids: every row's value is the
+    reference's for that one block, and no other row's."""
+    caches = [to_layout(random_cache(10, 3, 8, 32, seed=s), "HND", kernel_tokens, padded)
+              for s in (5, 6)]
+    rng = np.random.default_rng(kernel_tokens)
+    rows = 23
+    ids = rng.integers(0, 10, rows).tolist()
+    positions = rng.integers(0, 50, rows).tolist()
+    valid = [8] * rows
+    for r, v in ((2, 3), (7, 0), (8, 1), (15, 7), (16, 0), (22, 5)):
+        valid[r] = v
+    ids[7] = 10**9  # empty rows' ids are never read
+    view = LayerView(caches, block_size=8, layer=11, first_head=6, path="numba")
+    assert view.path == "numba" and (view.caches[0].token_stride == 4) != padded
+    out = torch.full((rows, 3), 17, dtype=torch.int64)
+    view.accumulate(out, 2, torch.tensor(ids), torch.tensor(positions) * 8, torch.tensor(valid))
+    got = (out[:, 2] - 17).numpy().view(np.uint64).tolist()
+    want = [0 if v == 0 else reference.layer_checksums(caches, [b], 8 * pos + v, first_block_position=pos,
+                                                       layer=11, first_head=6, block_size=8)[0]
+            for b, pos, v in zip(ids, positions, valid)]
+    assert got == want
+    assert (out[:, :2] == 17).all()
 
 
 @pytest.mark.parametrize("bad", [24, -1, 10**12])
