@@ -3,7 +3,10 @@
 # tests (bit-exact with the PyTorch path and the NumPy reference: attention
 # KV in 8-byte pieces, Mamba state rows in 2- and 4-byte pieces, a state
 # spanning two kernel chunks) and the CUDA benchmark (each path next to a
-# device-to-device copy of the same bytes, in the same run).
+# device-to-device copy of the same bytes, in the same run); where numba
+# imports on that machine, also the Numba pass's tests and its CPU benchmark
+# (the host's CPU of a GPU box, with its vector flags), next to the CUDA
+# figures.
 #
 # Runs where torch, triton and a CUDA device are, without vLLM: only the
 # vLLM-free package (vllm_kvchecksum's definition, views, kernels) is used.
@@ -14,7 +17,7 @@
 # wheels carried along when the machine lacks it. Here, once:
 #   .venv/bin/python -m pip download -q pytest -d build/gpu-wheels
 # then run, carrying build/gpu-wheels:
-#   bash scripts/gpu_check.sh            (timeout_s 420: tests ~1 min, benchmark ~2 min)
+#   bash scripts/gpu_check.sh            (timeout_s 420: tests ~1 min, benchmarks ~3 min)
 # OUT_DIR gets device.txt, tests.log, bench.log and bench.md (the tables, with
 # the GPU name, to paste into docs/performance.md).
 set -euo pipefail
@@ -41,5 +44,13 @@ status=0
 # -p no:cacheprovider: the tree may be read-only; the rest of tests/ needs vLLM.
 "$py" -m pytest -p no:cacheprovider -q -rs tests/unit/test_triton_kernel_cuda.py \
     tests/unit/test_state_pieces.py tests/unit/test_definition.py 2>&1 | tee "$out/tests.log" || status=1
-"$py" scripts/bench_checksum.py --only cuda --markdown "$out/bench.md" 2>&1 | tee "$out/bench.log" || status=1
+sections=cuda
+if "$py" -c "import numba" 2>/dev/null; then
+    "$py" -m pytest -p no:cacheprovider -q -rs tests/unit/test_numba_path.py 2>&1 \
+        | tee -a "$out/tests.log" || status=1
+    sections=cuda,cpu
+else
+    echo "numba does not import here: no Numba pass figures" | tee -a "$out/tests.log"
+fi
+"$py" scripts/bench_checksum.py --only "$sections" --markdown "$out/bench.md" 2>&1 | tee "$out/bench.log" || status=1
 exit $status
