@@ -14,24 +14,26 @@ pay for an import they do not use.
 from __future__ import annotations
 
 import functools
+import importlib
+
+
+def _imports(*modules: str) -> bool:
+    """Whether every module imports; any failure means: use the PyTorch path."""
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except Exception:
+        return False
+    return True
 
 
 @functools.cache
 def triton_available() -> bool:
     """Whether triton imports (checked once)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # any import failure means: use the PyTorch path
-        return False
-    return True
+    return _imports("triton", "triton.language")
 
 
 @functools.cache
 def numba_available() -> bool:
     """Whether numba imports (checked once)."""
-    try:
-        import numba  # noqa: F401
-    except Exception:  # any import failure means: use the PyTorch path
-        return False
-    return True
+    return _imports("numba")
