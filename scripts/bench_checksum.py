@@ -298,7 +298,6 @@ def bench_cpu(quick: bool, threads: int) -> Table:
     k, v = layer_kv(num_blocks, 8, 16, 128)
     view = LayerView([k, v], block_size=16, layer=5, first_head=8, path="torch")
     compiled = LayerView([k, v], block_size=16, layer=5, first_head=8, path="numba")
-    compiled.warm_up()
     nbytes = 2 * k.numel() * k.element_size()
     table = Table(f"(b) CPU, one layer: {num_blocks} blocks x 8 heads x 16 tokens x 128, "
                   f"bf16 K and V ({nbytes >> 20} MB), torch threads {threads}",
@@ -372,38 +371,36 @@ def bench_cpu(quick: bool, threads: int) -> Table:
 
 
 _STARTUP = """
-import sys, time, torch
+import sys, time
 sys.path.insert(0, {root!r})
-from vllm_kvchecksum.layer_view import LayerView
-k = torch.zeros(4, 8, 16, 128, dtype=torch.bfloat16)
-state = torch.zeros(4, 3, 1, 10, dtype=torch.float16)
-for name, view in (("64", LayerView([k, k], block_size=16, layer=0, path="numba")),
-                   ("16", LayerView(state, block_size=1, layer=1, piece_bits=16, path="numba"))):
-    start = time.perf_counter()
-    view.warm_up()
-    print(name, time.perf_counter() - start)
+import torch  # a worker has it already
+start = time.perf_counter()
+import numba
+imported = time.perf_counter()
+from vllm_kvchecksum.kernels import numba_path  # compiles or loads the pass
+print("numba", imported - start)
+print("pass", time.perf_counter() - imported)
 """
 
 
 def numba_startup() -> Table:
-    """Seconds of a view's first warm_up in a fresh process: compiling (empty
-    disk cache), then loading what that start cached (numba imported
-    first, in both)."""
+    """Seconds a fresh process spends making the pass ready (what a worker
+    pays once at start-up, when its first view chooses the pass): importing
+    numba, then compiling the pass for its three piece widths with an empty
+    disk cache, or loading what a first start cached."""
     import subprocess
     import tempfile
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = _STARTUP.format(root=root)
-    table = Table("Numba pass startup: first warm_up of a worker, per piece width",
-                  ["piece width", "empty cache (compiles), s", "cache of a first start (loads), s"])
+    table = Table("Numba pass startup, once per worker process",
+                  ["disk cache", "import numba, s", "compile or load the pass (3 piece widths), s"])
     with tempfile.TemporaryDirectory(prefix="kvcs-numba-cache-") as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)
-        runs = []
-        for _ in range(2):
+        for label in ("empty (compiles)", "left by a first start (loads)"):
             done = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                   capture_output=True, text=True)
-            runs.append(dict(line.split() for line in done.stdout.splitlines()))
-    for width in ("64", "16"):
-        table.add(f"{width}-bit", f"{float(runs[0][width]):.2f}", f"{float(runs[1][width]):.3f}")
+            took = dict(line.split() for line in done.stdout.splitlines())
+            table.add(label, f"{float(took['numba']):.2f}", f"{float(took['pass']):.3f}")
     return table
 
 

@@ -297,12 +297,12 @@ class LayerView:
     def warm_up(self) -> None:
         """Compile the path's code for this layer with one all-masked row.
 
-        Runs at startup so compilation (Triton's per shape, Numba's per
-        piece width, loaded from its disk cache after the first run) does
-        not land in the first step that checksums; a no-op on the PyTorch
-        path.
+        Runs at startup so Triton's compilation (per shape) does not land
+        in the first step that checksums; a no-op on the CPU paths (the
+        Numba pass is compiled, or loaded from its disk cache, when a view
+        first chooses it, at worker start too).
         """
-        if self.path == "torch":
+        if self.path != "triton":
             return
         out = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
         rows = torch.zeros(3, 2, dtype=torch.int64, device=self.device)
@@ -317,6 +317,10 @@ class LayerView:
         if out.device != self.device:
             raise ValueError(
                 f"out is on {out.device}, the cache on {self.device}")
+        if out.shape[0] > 1 and out.stride(0) == 0:
+            raise ValueError(
+                "out's rows share memory (row stride 0, e.g. from expand()); pass a tensor "
+                "with one row per block")
         if not 0 <= column < out.shape[1]:
             raise ValueError(
                 f"column {column} is outside out's {out.shape[1]} columns")

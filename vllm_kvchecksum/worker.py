@@ -82,7 +82,8 @@ class KVChecksumWorker:
         seen = set()
         for gid in self._active:
             for cache in self.plans[gid].caches:
-                shape = (tuple(cache.view.caches[0].pieces.shape), cache.view.block_size)
+                pieces = cache.view.caches[0].pieces
+                shape = (tuple(pieces.shape), pieces.dtype, cache.view.block_size)
                 if shape not in seen:
                     seen.add(shape)
                     cache.view.warm_up()

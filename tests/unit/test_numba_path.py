@@ -164,41 +164,106 @@ def test_a_bad_block_id_raises_and_adds_nothing(bad, kernel_tokens):
     ids = torch.tensor([1, bad, 2])
     with pytest.raises(IndexError, match=f"block id {bad} of row 1 is outside the layer's 24 "):
         view.accumulate(out, 0, ids, torch.tensor([0, 16, 32]), torch.tensor([16, 16, 16]))
-    assert (out == 5).all()  # row 0 was summed before row 1 failed, and not added
+    assert (out == 5).all()  # every id is checked before anything is added
     # An empty row's id is never read, whatever it holds.
     view.accumulate(out, 0, ids, torch.tensor([0, 16, 32]), torch.tensor([16, 0, 16]))
     assert out[1, 0] == 5 and out[0, 0] != 5
 
 
-_WARM_UP = """
+_START = """
 import json, sys, torch
 sys.path.insert(0, {root!r})
 from vllm_kvchecksum.kernels import numba_path
 from vllm_kvchecksum.layer_view import LayerView
 k = torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16)
 LayerView([k, k], block_size=16, layer=0).warm_up()
-state = torch.zeros(4, 3, 1, 10, dtype=torch.float16)
-LayerView(state, block_size=1, layer=1, piece_bits=16).warm_up()
 stats = numba_path._cache_rows.stats
 print(json.dumps({{"hits": len(stats.cache_hits), "misses": len(stats.cache_misses),
-                  "calls": numba_path.call_count}}))
+                  "signatures": len(numba_path._cache_rows.signatures)}}))
 """
 
 
-def test_warm_up_compiles_once_and_later_starts_load_it(tmp_path):
-    """A fresh worker compiles at warm-up (not in a request); the next one
-    loads the compiled code from numba's disk cache."""
+def test_the_pass_compiles_once_and_later_starts_load_it(tmp_path):
+    """A fresh worker compiles the pass (all three piece widths, in one order)
+    when it first chooses it, not in a request; the next one loads it from
+    numba's disk cache."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    code = _WARM_UP.format(root=ROOT)
+    code = _START.format(root=ROOT)
 
     def start():
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                               text=True, timeout=300, check=True)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    first = start()
-    assert first == {"hits": 0, "misses": 2, "calls": 2}  # 64-bit and 16-bit pieces
-    assert start() == {"hits": 2, "misses": 0, "calls": 2}
+    assert start() == {"hits": 0, "misses": 3, "signatures": 3}
+    assert start() == {"hits": 3, "misses": 0, "signatures": 3}
+
+
+def test_odd_arguments_take_the_compiled_signatures():
+    """A non-contiguous out, ids, positions or counts are copied to the one
+    signature, never compiled anew in a request, and give the same sums."""
+    k, v = kv(8, 2, 16, 64)
+    view = LayerView([k, v], block_size=16, layer=2, path="numba")
+    ids, t0, valid = torch.tensor([3, 1, 6, 0]), torch.tensor([0, 16, 32, 48]), torch.tensor([16, 9, 16, 0])
+    want = torch.zeros(4, 2, dtype=torch.int64)
+    view.accumulate(want, 1, ids, t0, valid)
+    wide = torch.zeros(2, 4, dtype=torch.int64).t()  # out transposed: not C-contiguous
+    spread = [torch.stack([x, x], 1)[:, 0] for x in (ids, t0, valid)]  # stride 2
+    assert not wide.is_contiguous() and not spread[0].is_contiguous()
+    view.accumulate(wide, 1, *spread)
+    assert torch.equal(wide, want) and len(numba_path._cache_rows.signatures) == 3
+
+
+def test_rows_sharing_memory_are_refused(cpu_path):
+    k, v = kv(4, 2, 16, 64)
+    view = LayerView([k, v], block_size=16, layer=0)
+    out = torch.zeros(1, 1, dtype=torch.int64).expand(3, 1)
+    rows = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="rows share memory"):
+        view.accumulate(out, 0, rows, rows * 16, torch.full((3,), 16))
+
+
+@pytest.mark.parametrize("bits,dtype", [(16, torch.float16), (32, torch.float32)])
+def test_one_element_read_as_every_piece(bits, dtype):
+    """A narrow state whose element dimension has stride 0 (expand()): both
+    paths read the one element as each piece."""
+    gen = torch.Generator().manual_seed(bits)
+    state = torch.randn(5, 3, 1, 1, generator=gen).to(dtype).expand(5, 3, 1, 7)
+    outs = []
+    for path in ("numba", "torch"):
+        view = LayerView(state, block_size=1, layer=4, first_head=2, piece_bits=bits, path=path)
+        assert view.caches[0].piece_stride == 0
+        out = torch.zeros(4, 1, dtype=torch.int64)
+        view.accumulate(out, 0, torch.tensor([4, 0, 2, 1]), torch.zeros(4, dtype=torch.int64),
+                        torch.tensor([1, 1, 0, 1]))
+        outs.append(out)
+    assert torch.equal(*outs) and (outs[0][[0, 1, 3]] != 0).all()
+
+
+def test_without_a_disk_cache_the_pass_still_compiles(caplog):
+    """Code numba cannot cache (here: defined with no source file, as with
+    no writable cache folder) is compiled per process, with a warning."""
+    params = ", ".join(f"a{i}" for i in range(22))
+    namespace = {}
+    exec(f"def rows({params}):\n    return a1 + 1\n", namespace)
+    with caplog.at_level("WARNING"):
+        rows = numba_path._compiled(namespace["rows"])
+    assert "cannot be cached on disk" in caplog.text and "NUMBA_CACHE_DIR" in caplog.text
+    one = np.zeros(1, dtype=np.int64)
+    args = [one.view(np.uint16)[:1].copy()] + [5] * 9 + [one] * 3 + [0] * 3 + \
+        [np.zeros((1, 1), dtype=np.int64), 0, np.zeros(1, dtype=np.uint32), 0, 0, 0]
+    assert rows(*args) == 6
+
+
+def test_a_pass_that_does_not_import_leaves_the_pytorch_path(monkeypatch, caplog):
+    kernels.numba_available.cache_clear()
+    monkeypatch.setitem(sys.modules, "vllm_kvchecksum.kernels.numba_path", None)
+    try:
+        with caplog.at_level("WARNING"):
+            assert kernels.numba_available() is False
+        assert "numba imports but the compiled CPU pass does not" in caplog.text
+    finally:
+        kernels.numba_available.cache_clear()
 
 
 def test_reassigning_the_path_switches_code():

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
+
+logger = logging.getLogger(__name__)
 
 
 def _imports(*modules: str) -> bool:
@@ -35,5 +38,17 @@ def triton_available() -> bool:
 
 @functools.cache
 def numba_available() -> bool:
-    """Whether numba imports (checked once)."""
-    return _imports("numba")
+    """Whether numba imports and the compiled pass with it (checked once).
+
+    Importing numba_path compiles the pass, or loads it from numba's disk
+    cache; a failure there is logged, and CPU caches use the PyTorch path.
+    """
+    if not _imports("numba"):
+        return False
+    try:
+        importlib.import_module("vllm_kvchecksum.kernels.numba_path")
+    except Exception as exc:
+        logger.warning("KV checksums: numba imports but the compiled CPU pass does not (%s: %s); "
+                       "CPU caches are checksummed on the slower PyTorch path", type(exc).__name__, exc)
+        return False
+    return True

@@ -36,17 +36,22 @@ zero-extends. The first lines of the blocks a few rows ahead are
 prefetched.
 
 Threads: none. The pass is single-threaded per worker (no parallel=True),
-so numba's threading layers, which vLLM pins to `workqueue` because the
-OpenMP one aborts after fork, never start; one core already reads at
-about a numpy sum's speed (docs/performance.md). The compiled code is cached on disk
-(numba's cache=True: next to this file, or in the user's cache folder when
-that is not writable), and LayerView.warm_up compiles or loads it at worker
-start, so no request pays for compilation.
+so no numba threading layer starts (vLLM switches numba to `workqueue`
+around its own parallel regions, because the OpenMP layer aborts after
+fork); one core already reads at about a numpy sum's speed
+(docs/performance.md). The pass is compiled when this module is imported
+(kernels.numba_available imports it: a view choosing its path, at worker
+start), for one signature per piece width, and cached on disk (numba's
+cache=True: NUMBA_CACHE_DIR, else next to this file, else the user's cache
+folder; with none writable it compiles in each process, with a warning),
+so no request pays for compilation.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import logging
 
 import numba
 import numpy as np
@@ -57,6 +62,8 @@ from numba.extending import intrinsic
 
 if TYPE_CHECKING:
     from vllm_kvchecksum.layer_view import CachePieces, LayerView
+
+logger = logging.getLogger(__name__)
 
 # Calls so far; lets tests prove this path ran rather than a fallback.
 call_count = 0
@@ -98,7 +105,7 @@ def _prefetch(typingctx, array, index):  # pragma: no cover (compiled)
     return sig, codegen
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+@numba.njit(nogil=True, boundscheck=False, inline="always")
 def _add_token(x, y, w):  # pragma: no cover (compiled)
     """Y += x and W += Y over one token's pieces x (zero-extended if narrow)."""
     for p in range(x.shape[0]):
@@ -106,7 +113,7 @@ def _add_token(x, y, w):  # pragma: no cover (compiled)
         w[p] += y[p]
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+@numba.njit(nogil=True, boundscheck=False, inline="always")
 def _dot_region(x, weights):  # pragma: no cover (compiled)
     """(sum of x, sum of x[e] * weights[e]) over a contiguous run of pieces:
     two reductions in one loop, which LLVM vectorizes with accumulators in
@@ -120,7 +127,7 @@ def _dot_region(x, weights):  # pragma: no cover (compiled)
     return s0, s1
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+@numba.njit(nogil=True, boundscheck=False, inline="always")
 def _dot_regions4(x1, x2, x3, x4, weights):  # pragma: no cover (compiled)
     """_dot_region of four runs of one length at once: four blocks read side
     by side keep more of memory's latency hidden than one after another
@@ -150,7 +157,7 @@ def _dot_regions4(x1, x2, x3, x4, weights):  # pragma: no cover (compiled)
     return a0, a1, b0, b1, c0, c1, d0, d1
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+@numba.njit(nogil=True, boundscheck=False, inline="always")
 def _prefetch_block(flat, block, kernel_blocks, block_stride, heads, head_stride, lines,
                     line_elements):  # pragma: no cover (compiled)
     """Prefetch the first lines of each head's run of a block: enough to
@@ -162,7 +169,39 @@ def _prefetch_block(flat, block, kernel_blocks, block_stride, heads, head_stride
                 _prefetch(flat, start + q * line_elements)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _rows_signature(piece_type):
+    """The one type signature of _cache_rows for pieces of piece_type (the
+    wrapper passes C-contiguous arrays and Python ints, nothing else)."""
+    i64 = numba.int64
+    return i64(piece_type[::1], i64, i64, i64, i64, i64, i64, i64, i64, i64,
+               i64[::1], i64[::1], i64[::1], i64, i64, i64, i64[:, ::1], i64,
+               numba.uint32[::1], i64, i64, i64)
+
+
+# Compiled when this module is imported, in this order, for the three piece
+# widths: every process then writes numba's cache index the same way (lazy
+# compilation in different orders by processes starting together can leave
+# an index naming the wrong file for a signature, and every later start
+# fails until the cache is deleted).
+_SIGNATURES = [_rows_signature(t) for t in (numba.int64, numba.uint16, numba.uint32)]
+
+
+def _compiled(fn):
+    """fn compiled for _SIGNATURES, cached on disk where a folder is writable
+    (next to this file, else the user's cache folder; NUMBA_CACHE_DIR first):
+    without one it is compiled in each process, with a warning, rather than
+    not at all."""
+    options = dict(nogil=True, boundscheck=False)
+    try:
+        return numba.njit(_SIGNATURES, cache=True, **options)(fn)
+    except RuntimeError as exc:  # numba: "cannot cache function ...: no locator available"
+        logger.warning("KV checksums: the compiled CPU pass cannot be cached on disk (%s); each worker "
+                       "compiles it at start-up. Set NUMBA_CACHE_DIR to a writable folder to avoid that.",
+                       exc)
+        return numba.njit(_SIGNATURES, cache=False, **options)(fn)
+
+
+@_compiled
 def _cache_rows(flat, num_blocks, block_stride, kernel_blocks, kernel_tokens, heads,
                 pieces, head_stride, token_stride, piece_stride, block_ids,
                 first_tokens, valid_tokens, factor_base, pieces_per_token,
@@ -276,6 +315,11 @@ def _cache_rows(flat, num_blocks, block_stride, kernel_blocks, kernel_tokens, he
                         # with no step stays contiguous in numba's types.
                         if piece_stride == 1:
                             _add_token(flat[base:base + pieces], y, w)
+                        elif piece_stride == 0:  # one element read as every piece (expand())
+                            v = np.int64(flat[base])
+                            for p in range(pieces):
+                                y[p] += v
+                                w[p] += y[p]
                         else:
                             _add_token(flat[base:base + (pieces - 1) * piece_stride + 1:piece_stride],
                                        y, w)
@@ -338,17 +382,22 @@ class NumbaLayerPath:
         global call_count
         call_count += 1
         out_np = out.numpy()
-        ids = block_ids.numpy()
-        t0 = first_tokens.numpy()
-        valid = valid_tokens.numpy()
+        # The compiled pass takes C-contiguous arrays only (one signature
+        # per piece width, compiled at import): others are copied here.
+        ids = np.ascontiguousarray(block_ids.numpy())
+        t0 = np.ascontiguousarray(first_tokens.numpy())
+        valid = np.ascontiguousarray(valid_tokens.numpy())
+        target = out_np if out_np.flags.c_contiguous else np.ascontiguousarray(out_np)
         for cache in self.caches:
             # Every id is checked before anything is added, so a bad one
             # leaves out as it was (like the PyTorch path, which raises
             # before it adds); the first tensor finds it.
             bad = _cache_rows(cache.flat, *cache.fixed, ids, t0, valid, *cache.layer,
-                              out_np, column, cache.weights, PREFETCH_ROWS_AHEAD, PREFETCH_LINES,
+                              target, column, cache.weights, PREFETCH_ROWS_AHEAD, PREFETCH_LINES,
                               cache.line_elements)
             if bad >= 0:
                 raise IndexError(
                     f"block id {int(ids[bad])} of row {bad} is outside the layer's "
                     f"{self.view.num_blocks} blocks")
+        if target is not out_np:
+            out_np[:, column] = target[:, column]
