@@ -16,10 +16,11 @@
     of the same blocks (the least a transfer of them does, the baseline of
     a producer's re-check, which is one more checksum call per transfer);
     and against reading the same blocks in the same shuffled order one block
-    at a time (a compiled plain sum of each block, XXH3-64 of each block). Then the Numba pass's ratios to the two goals (issue 24: at least 0.5x
+    at a time (a compiled plain sum of each block, XXH3-64 of each block).
+    Then the Numba pass's ratios to the two goals (issue 24: at least 0.5x
     the numpy sum, at least 1x XXH3, shuffled block ids), and its startup
-    cost: the first warm_up in a fresh process with an empty disk cache
-    (compiling) and with the cache a first start left (loading).
+    cost in a fresh process: importing numba, then compiling the pass with
+    an empty disk cache, or loading what a first start cached.
 (c) cuda (only with a CUDA device): one layer of 2048 blocks x 8 heads x 16
     tokens x 128 head size, bf16 K and V, and rows of about 1 MB (the size
     of Mamba states), with both paths, against a device-to-device copy of
@@ -225,7 +226,8 @@ def cpu_vector_flags() -> str:
 
 def built_for() -> str:
     """What the compiled code in this run targets: numba's CPU (the host's,
-    or NUMBA_CPU_NAME) and the AVX-512 features numpy was told not to use."""
+    or NUMBA_CPU_NAME and NUMBA_CPU_FEATURES), whether numpy was told not to
+    use its AVX-512 kernels, and torch's ISA (ATEN_CPU_CAPABILITY)."""
     import numba
     target = " ".join(filter(None, (os.environ.get("NUMBA_CPU_NAME"),
                                     os.environ.get("NUMBA_CPU_FEATURES")))) or "host"

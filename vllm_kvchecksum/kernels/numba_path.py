@@ -106,6 +106,20 @@ def _prefetch(typingctx, array, index):  # pragma: no cover (compiled)
 
 
 @numba.njit(nogil=True, boundscheck=False, inline="always")
+def _first_weight(first_token, pieces_per_token, piece_offset):  # pragma: no cover (compiled)
+    """row_first: the weight 2 * (t0 * P + o) + 1 of this tensor's first piece
+    of a block whose first token is at request position t0."""
+    return 2 * (first_token * pieces_per_token + piece_offset) + 1
+
+
+@numba.njit(nogil=True, boundscheck=False, inline="always")
+def _head_factor(factor_base, head):  # pragma: no cover (compiled)
+    """m: the odd factor 2 * (layer * H + first_head + head) + 1 of a head
+    (definition.slice_factor, with factor_base = layer * H + first_head)."""
+    return 2 * (factor_base + head) + 1
+
+
+@numba.njit(nogil=True, boundscheck=False, inline="always")
 def _add_token(x, y, w):  # pragma: no cover (compiled)
     """Y += x and W += Y over one token's pieces x (zero-extended if narrow)."""
     for p in range(x.shape[0]):
@@ -244,10 +258,10 @@ def _cache_rows(flat, num_blocks, block_stride, kernel_blocks, kernel_tokens, he
             base2 = block_ids[r2] * kernel_blocks * block_stride
             base3 = block_ids[r3] * kernel_blocks * block_stride
             base4 = block_ids[r4] * kernel_blocks * block_stride
-            first1 = 2 * (first_tokens[r1] * pieces_per_token + piece_offset) + 1
-            first2 = 2 * (first_tokens[r2] * pieces_per_token + piece_offset) + 1
-            first3 = 2 * (first_tokens[r3] * pieces_per_token + piece_offset) + 1
-            first4 = 2 * (first_tokens[r4] * pieces_per_token + piece_offset) + 1
+            first1 = _first_weight(first_tokens[r1], pieces_per_token, piece_offset)
+            first2 = _first_weight(first_tokens[r2], pieces_per_token, piece_offset)
+            first3 = _first_weight(first_tokens[r3], pieces_per_token, piece_offset)
+            first4 = _first_weight(first_tokens[r4], pieces_per_token, piece_offset)
             acc1 = np.int64(0)
             acc2 = np.int64(0)
             acc3 = np.int64(0)
@@ -259,7 +273,7 @@ def _cache_rows(flat, num_blocks, block_stride, kernel_blocks, kernel_tokens, he
                     a0, a1, b0, b1, c0, c1, d0, d1 = _dot_regions4(
                         flat[base1 + o:base1 + o + run], flat[base2 + o:base2 + o + run],
                         flat[base3 + o:base3 + o + run], flat[base4 + o:base4 + o + run], weights)
-                    m = 2 * (factor_base + h) + 1
+                    m = _head_factor(factor_base, h)
                     acc1 += m * ((first1 + lead) * a0 + a1)
                     acc2 += m * ((first2 + lead) * b0 + b1)
                     acc3 += m * ((first3 + lead) * c0 + c1)
@@ -284,7 +298,7 @@ def _cache_rows(flat, num_blocks, block_stride, kernel_blocks, kernel_tokens, he
             if 0 <= ahead < num_blocks:
                 _prefetch_block(flat, ahead, kernel_blocks, block_stride, heads, head_stride,
                                 prefetch_lines, line_elements)
-        row_first = 2 * (first_tokens[r] * pieces_per_token + piece_offset) + 1
+        row_first = _first_weight(first_tokens[r], pieces_per_token, piece_offset)
         acc = np.int64(0)
         for h in range(heads):
             s = np.int64(0)
@@ -326,7 +340,7 @@ def _cache_rows(flat, num_blocks, block_stride, kernel_blocks, kernel_tokens, he
                     read += min(kernel_tokens, n - read)
                 for p in range(pieces):
                     s += (row_first + 2 * p) * y[p] + two_p * (n * y[p] - w[p])
-            acc += (2 * (factor_base + h) + 1) * s
+            acc += _head_factor(factor_base, h) * s
         out[r, column] += acc
     return -1
 
