@@ -13,7 +13,8 @@ went bad:
 - "changed on the producer: released before the read": the producer
   released the request's blocks while its transfer was still waiting
   (vLLM NIXL's "Releasing expired KV blocks for request ...": its lease ran
-  out), so the consumer read blocks that may hold another request's KV.
+  out, or the producer's "read_after_release" line), so the consumer read
+  blocks that may hold another request's KV.
   NIXL's "Potentially invalid KV blocks for unrecognized request ... were
   retrieved" alone is no evidence: a consumer whose load failed its check
   sends one more notification for the request, after the producer freed it
@@ -29,7 +30,10 @@ went bad:
 - "offloaded": KV loaded back from an offloading tier (no producer).
 
 A producer writes one line per re-check (producer_record, "side":
-"producer"), at the same logger: ERROR when the KV changed, INFO otherwise.
+"producer"), at the same logger: ERROR when the KV changed, INFO otherwise;
+and one ERROR line ("read_after_release") when its connector reports a
+consumer's read of a request whose blocks it had already released, which
+the join takes as it takes NIXL's lease-expiry line.
 
 Values from outside (the producer's ids come with kv_transfer_params from
 the client) are cut to MAX_ID_CHARS and kept only as strings. Imports no
@@ -59,6 +63,10 @@ CHANGED_ON_PRODUCER = "changed on the producer before the transfer completed"
 INTACT_ON_PRODUCER = "intact on the producer: in flight or on the consumer"
 NOT_RECHECKED = "producer not re-checked"
 OFFLOADED = "offloaded"
+# A producer line's verdict when a consumer read a request's KV after the
+# connector released its blocks (not a re-check: the scheduler's
+# _count_read_after_release).
+READ_AFTER_RELEASE = "read_after_release"
 
 logger = logging.getLogger(INCIDENT_LOGGER)
 
@@ -122,7 +130,7 @@ def emit(record: Mapping[str, Any]) -> None:
     ERROR for a mismatch or a changed producer KV, INFO for the others.
     """
     try:
-        level = logging.ERROR if record.get("verdict") in ("mismatch", "changed") else logging.INFO
+        level = logging.ERROR if record.get("verdict") in ("mismatch", "changed", READ_AFTER_RELEASE) else logging.INFO
         logger.log(level, "%s%s", INCIDENT_MARK, json.dumps(record, sort_keys=True, separators=(",", ":")))
     except Exception:
         logger.exception("KV checksums: writing the incident line of request %r failed.",
@@ -146,8 +154,12 @@ def read_incidents(text: str) -> list[dict[str, Any]]:
 
 
 def released_requests(text: str) -> set[str]:
-    """Request ids whose blocks a producer's log says it released before their transfer completed."""
-    return set(_RELEASED.findall(text))
+    """Request ids whose blocks a producer's log says it released before their transfer completed:
+    NIXL's lease-expiry line, or this package's line for a read after the release."""
+    return set(_RELEASED.findall(text)) | {
+        record["request_id"] for record in read_incidents(text)
+        if record.get("side") == "producer" and record.get("verdict") == READ_AFTER_RELEASE
+        and isinstance(record.get("request_id"), str)}
 
 
 # vLLM ends each request id with "-" and 8 random hex digits
@@ -172,7 +184,7 @@ def rechecks(text: str) -> dict[tuple[str, str | None], str]:
     """
     out = {}
     for record in read_incidents(text):
-        if record.get("side") != "producer":
+        if record.get("side") != "producer" or record.get("verdict") == READ_AFTER_RELEASE:
             continue
         verdict, engine = str(record.get("verdict")), record.get("engine_id")
         for key in ("request_id", "transfer_id"):

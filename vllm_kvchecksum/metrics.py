@@ -29,6 +29,11 @@ KVChecksumProm.observe, which adds them to these counters on /metrics:
   vllm:kv_checksum_producer_changed_total         sends whose KV changed on the producer
                                                   before their transfer completed
   vllm:kv_checksum_producer_changed_blocks_total  block positions that changed so
+  vllm:kv_checksum_producer_read_after_release_total
+      producer requests whose KV a consumer read after the connector had
+      released the blocks (NIXL pull: the read's notification came after
+      the lease expired): the producer's fault, as a change before the
+      transfer completed is, counted apart because it is found later
   vllm:kv_checksum_producer_not_rechecked_total{reason}
       sends not re-checked at their transfer's completion: the request no
       longer held the blocks its checksums were sent for ("blocks_moved"),
@@ -55,11 +60,12 @@ has stopped and nothing is held; a value that stays up is a leak):
 
 A producer whose connector released a request's KV before the consumer read
 it (vLLM NIXL's lease expiry) counts the expiry in the connector's own
-vllm:nixl_num_kv_expired_reqs and logs the request; `python -m
-vllm_kvchecksum.where` joins that line with the consumer's mismatch
-(incident.py). NIXL's vllm:nixl_num_notifications_after_expiry is no count
-of such reads: it also counts the second notification a consumer sends for a
-load that failed its check.
+vllm:nixl_num_kv_expired_reqs, and the read that came after it in
+producer_read_after_release above; `python -m vllm_kvchecksum.where` joins
+either's log line with the consumer's mismatch (incident.py). NIXL's
+vllm:nixl_num_notifications_after_expiry is no count of such reads: it also
+counts the second notification a consumer sends for a load that failed its
+check.
 
 A mismatch is only ever counted as mismatched: a cache miss is no load at all
 (vLLM's external prefix cache counters), and a connector failure is
@@ -93,6 +99,7 @@ PRODUCER_INTACT = "producer_intact"
 PRODUCER_CHANGED = "producer_changed"
 PRODUCER_CHANGED_BLOCKS = "producer_changed_blocks"
 PRODUCER_NOT_RECHECKED = "producer_not_rechecked"
+PRODUCER_READ_AFTER_RELEASE = "producer_read_after_release"
 
 # Label values of the labelled counters (the unverified reasons are
 # UnverifiedReason's values). Bounded: a label never takes a value from
@@ -123,6 +130,9 @@ COUNTERS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
                        "fails; the fault is the producer's).", None, ()),
     PRODUCER_CHANGED_BLOCKS: ("Block positions whose KV changed on the producer before their transfer completed.",
                               None, ()),
+    PRODUCER_READ_AFTER_RELEASE: ("Producer requests whose KV a consumer read after the connector had released "
+                                  "its blocks (a lease that expired first): that load may hold other requests' KV.",
+                                  None, ()),
     PRODUCER_NOT_RECHECKED: ("Producer requests whose KV was not checksummed again at the transfer's completion, "
                              "by reason.", "reason", NOT_RECHECKED_REASONS),
     OFFLOADED + VERIFIED: ("Loads of offloaded KV whose stored KV checksums matched.", None, ()),

@@ -139,6 +139,9 @@ class KVChecksumRecord:
     worker keeps such entries for (fixed at startup). `purpose`: what the
     checksums in `requests` are for (RecordPurpose): a producer's send, a
     finished async load, or the step's synchronous loads.
+    `read_after_release`: producer requests whose KV a consumer read after
+    this worker's connector released the blocks (a lease that expired
+    before the read; KVConnectorTransferResults.kv_read_after_release).
     """
 
     tp_rank: int
@@ -154,6 +157,7 @@ class KVChecksumRecord:
     stored: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
     offload_groups: frozenset[int] = frozenset()
     purpose: str = RecordPurpose.LOAD
+    read_after_release: frozenset[str] = frozenset()
 
     @property
     def worker(self) -> tuple[int, int]:

@@ -98,7 +98,7 @@ def checksum_loaded(worker: KVChecksumWorker | None,
 def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumScheduled | None,
                   finished_recving: set[str] | None, *, sends: bool = True,
                   recvs: bool = True, received: dict[str, bytes] | None = None,
-                  loaded=_NOT_YET) -> KVChecksumOutput | None:
+                  read_after_release=None, loaded=_NOT_YET) -> KVChecksumOutput | None:
     """Queue this step's checksums; call after the step's forward, once per
     scheduler output, in order (scheduled may be None: nothing new).
 
@@ -110,6 +110,9 @@ def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumSchedule
       the same scheduler output, so its loads are not added again.
     received: the checksums this worker's connector delivered with its loads
       (KVConnectorTransferResults.kv_checksums; connector-owned carriers).
+    read_after_release: producer requests whose KV this worker's connector
+      says a consumer read after the blocks were released
+      (KVConnectorTransferResults.kv_read_after_release).
     loaded: what checksum_loaded returned for this step, when the caller ran
       it before wait_for_save (the model runners do); by default the step's
       synchronous loads are checksummed here.
@@ -127,6 +130,7 @@ def checksum_step(worker: KVChecksumWorker | None, scheduled: KVChecksumSchedule
         if loaded is _NOT_YET:
             loaded = checksum_loaded(worker, scheduled)
         outputs.append(_step_loads(worker, scheduled, finished_recving, received, loaded))
+    outputs.append(worker.report_read_after_release(read_after_release))
     return KVChecksumOutput.aggregate(outputs)
 
 

@@ -66,6 +66,9 @@ KV_CHECKSUM_ERROR_PREFIX = "kv_checksum_"
 # Block positions named per group in a client's error (and the server's
 # error log line); a long prompt can differ in thousands.
 CLIENT_MAX_POSITIONS = 32
+# Producer requests read after their release that a scheduler remembers, so a
+# request read from several workers (TP, PP) is counted once.
+MAX_READS_AFTER_RELEASE_KEPT = 4096
 
 
 def _client_positions(blocks) -> str:
@@ -266,6 +269,9 @@ class KVChecksumScheduler:
         self._rechecking: dict[str, _Pending] = {}
         # getattr: the series' prefixes before the re-check's patch lack the key.
         self.recheck_sends = bool(getattr(kv, "kv_checksum_producer_recheck", False))
+        # Producer requests read after the connector released their blocks,
+        # already counted (insertion order; at most MAX_READS_AFTER_RELEASE_KEPT).
+        self._read_after_release: dict[str, None] = {}
         self._recvs: dict[str, _Pending] = {}
         # Synchronous loads of offloaded KV by the step that performs them
         # (KVChecksumScheduled.step): with a batch queue several steps are in
@@ -640,6 +646,8 @@ class KVChecksumScheduler:
                 if pending is not None and pending.awaiting_connector:
                     pending.awaiting_connector = False
                     self._decode_expected(pending, rid, bytes(data), "connector message")
+            for rid in record.read_after_release:
+                self._count_read_after_release(rid)
 
     # -- producer ----------------------------------------------------------
 
@@ -769,6 +777,26 @@ class KVChecksumScheduler:
             request_id=rid, transfer_id=sent.remote[0], result=result.status.value, groups=result.changed,
             engine_id=self.engine_id, connector=self.connector_name, carrier=sent.carrier, **self._own_sizes(),
             reason=result.reason, now=time.time()))
+
+    def _count_read_after_release(self, rid: str) -> None:
+        """A consumer read request `rid`'s KV after this producer's connector
+        released its blocks: count and log it once, however many workers
+        report it."""
+        if rid in self._read_after_release:
+            return
+        self._read_after_release[rid] = None
+        while len(self._read_after_release) > MAX_READS_AFTER_RELEASE_KEPT:
+            del self._read_after_release[next(iter(self._read_after_release))]
+        self._metrics[metrics.PRODUCER_READ_AFTER_RELEASE] += 1
+        logger.error("KV checksums: a consumer read the KV of producer request %s after the connector (%s) had "
+                     "released its blocks (its lease expired first), so that load may hold other requests' KV; "
+                     "its check fails if the blocks were reused. Give the connector's lease (kv_lease_duration "
+                     "in kv_connector_extra_config for NIXL) more than the consumer's longest stall.",
+                     rid, self.connector_name)
+        incident.emit(incident.producer_record(
+            request_id=rid, transfer_id=None, result=incident.READ_AFTER_RELEASE, groups={},
+            engine_id=self.engine_id, connector=self.connector_name, carrier=None, **self._own_sizes(),
+            reason="read after the connector released the blocks", now=time.time()))
 
     def release_send(self, req_id: str) -> None:
         """The Scheduler freed the request's blocks: nothing of them is left to re-check."""

@@ -125,6 +125,19 @@ class KVChecksumWorker:
         output.add_received(kept)
         return output
 
+    def report_read_after_release(self, req_ids) -> KVChecksumOutput | None:
+        """A record naming the producer requests whose KV this worker's
+        connector says a consumer read after it released the blocks; None
+        for none. Every worker reports its own (a request read from several
+        workers is counted once, by the scheduler).
+        """
+        named = frozenset(r for r in req_ids or () if isinstance(r, str))
+        if not named:
+            return None
+        record = self.new_record()
+        record.read_after_release = named
+        return KVChecksumOutput([record])
+
     @property
     def forwards_received(self) -> bool:
         """Whether this worker passes on the checksums its connector received.

@@ -327,10 +327,12 @@ def set_faults(setup: Setup, kind: str | None) -> None:
 
 
 def producer_rechecks(text: str) -> dict[str, tuple[str, dict]]:
-    """A producer log's re-check lines: request id (and transfer id) -> (result, changed positions)."""
+    """A producer log's re-check lines: request id (and transfer id) -> (result, changed positions).
+
+    A line for a read after the release is no re-check: left out."""
     out = {}
     for line in incident.read_incidents(text):
-        if line.get("side") == "producer":
+        if line.get("side") == "producer" and line.get("verdict") != incident.READ_AFTER_RELEASE:
             for key in ("request_id", "transfer_id"):
                 if isinstance(line.get(key), str):
                     out[line[key]] = (line.get("verdict"), line.get("groups") or {})

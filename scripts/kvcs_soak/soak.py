@@ -566,7 +566,34 @@ def producer_rechecks(producer_log: Path) -> dict[str, int]:
     """The producer's re-check lines (vllm_kvchecksum.incident) by result: intact, changed, not_rechecked."""
     return dict(Counter(str(line.get("verdict")) for line in
                         incident.read_incidents(producer_log.read_text(errors="replace"))
-                        if line.get("side") == "producer"))
+                        if line.get("side") == "producer" and line.get("verdict") != incident.READ_AFTER_RELEASE))
+
+
+def producer_reads_after_release(producer_log: Path) -> set[str]:
+    """The producer requests whose KV a consumer read after the producer released it (their incident lines)."""
+    return {str(line.get("request_id")) for line in incident.read_incidents(producer_log.read_text(errors="replace"))
+            if line.get("side") == "producer" and line.get("verdict") == incident.READ_AFTER_RELEASE}
+
+
+def judge_reads_after_release(report: dict, truths, late: set[str], counted: float, mode: str, died: bool) -> None:
+    """The producer's count of reads after the release matches its lines, and,
+    in pull mode, every victim's producer request is among them: the race
+    makes victims only by reading released blocks. A killed producer takes
+    the lines of reads it saw last with it, so then nothing is required."""
+    victims = [t for t in truths if t.truth == "victim"]
+    without = sorted(t.request_id for t in victims if t.remote_request_id not in late)
+    report["producer_read_after_release"] = {
+        "reads": len(late), "counted": counted, "victims": len(victims) - len(without),
+        "victims_without": without[:20]}
+    if died:
+        return
+    if counted != len(late):
+        report["failures"].append(f"the producer counted {counted:.0f} reads after the release but logged "
+                                  f"{len(late)}")
+    if mode == "pull" and without:
+        report["failures"].append(f"{len(without)} victims whose producer saw no read after the release: "
+                                  f"{without[:10]}")
+    report["ok"] = not report["failures"]
 
 
 def judge_rechecks(report: dict, rechecks: dict[str, int], sent: int, died: bool) -> None:
@@ -685,6 +712,8 @@ def print_table(report: dict) -> None:
         ("false mismatches", f"{len(d['false_alarms'])} on {d['clean']} clean loads"),
         ("where (victims)", ", ".join(f"{n} {k}" for k, n in sorted((report.get("where") or {}).items()))
          or "no victim caught"),
+        ("reads after the release", "{reads} on the producer; {victims} victims among them".format(
+            **report.get("producer_read_after_release", {"reads": 0, "victims": 0}))),
         ("producer re-checks", ", ".join(f"{n} {k}" for k, n in sorted((report.get("producer_rechecks") or {}).items()))
          or "none"),
         ("consumer counters", f"started {c['loads_started']} = verified {c['loads_verified']} + mismatched "
@@ -845,6 +874,7 @@ def main(argv=None) -> int:
             held = held_state({side: setup.urls[side] for side in servers if alive[side]}, client)
         # Drained (held_state): every transfer's re-check is in the log.
         rechecks = producer_rechecks(setup.logs["producer"])
+        late_reads = producer_reads_after_release(setup.logs["producer"])
         timeline = sampler.stop()
         # The ground truth of the run, before the cost phase adds loads of its own.
         sends = truth.read_lines(work / "producer.witness.jsonl")
@@ -863,6 +893,9 @@ def main(argv=None) -> int:
     report["where"] = where_of_victims(truths, setup.logs["consumer"], setup.logs["producer"])
     judge_where(report, args.mode)
     judge_rechecks(report, rechecks, int(counts["producer"].get("sent", 0)), death is not None)
+    judge_reads_after_release(report, truths, late_reads,
+                              counts["producer"].get(metrics.PRODUCER_READ_AFTER_RELEASE, 0), args.mode,
+                              death is not None)
     report["cost"] = cost
     report["timeline"] = timeline
     report["latencies"] = latencies(answers, cost)

@@ -59,6 +59,7 @@ class LoadTruth:
     truth: str  # "victim", "clean", "unknown" or "load_failed"
     positions: dict[str, list[int]] = field(default_factory=dict)  # group -> differing block positions
     verdict: str = "verified_or_other"  # "mismatch" when the consumer logged one
+    remote_request_id: str | None = None  # the producer's request, where the load was paired with it
 
 
 def judge_loads(sends: Iterable[dict], loads: Iterable[dict], mismatched: set[str]) -> list[LoadTruth]:
@@ -100,7 +101,7 @@ def judge_loads(sends: Iterable[dict], loads: Iterable[dict], mismatched: set[st
             differ = differing_positions(sent_digests.get(group, {}), digests)
             if differ:
                 positions[group] = differ
-        out.append(LoadTruth(rid, "victim" if positions else "clean", positions, verdict))
+        out.append(LoadTruth(rid, "victim" if positions else "clean", positions, verdict, producer.get("request_id")))
     return out
 
 

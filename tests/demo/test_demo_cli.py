@@ -1025,6 +1025,11 @@ def test_a_consumer_fault_is_intact_on_the_producer(tmp_path, monkeypatch):
     # And a mismatch with no incident line.
     r = joined(tmp_path, monkeypatch, result(), [], [producer_line(r.request_id, "intact")])
     assert not r.ok and "no incident line" in r.problem
+    # A read-after-release line after the re-check's is no re-check: the re-check stands.
+    r = result()
+    r = joined(tmp_path, monkeypatch, r, [consumer_line(r.request_id)],
+               [producer_line(r.request_id, "intact"), producer_line(r.request_id, incident.READ_AFTER_RELEASE)])
+    assert r.producer_recheck == "intact"
 
 
 def test_a_producer_flip_is_changed_on_the_producer(tmp_path, monkeypatch):

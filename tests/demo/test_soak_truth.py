@@ -329,9 +329,11 @@ def test_the_producers_rechecks_are_counted_and_judged(tmp_path):
             block_sizes={0: 32}, reason="", now=0.0))
 
     log = tmp_path / "producer.log"
-    log.write_text("\n".join([line("intact", "a"), line("intact", "b"), "other line", line("not_rechecked", "c")]))
+    log.write_text("\n".join([line("intact", "a"), line("intact", "b"), "other line", line("not_rechecked", "c"),
+                              line(incident.READ_AFTER_RELEASE, "a")]))
     rechecks = soak.producer_rechecks(log)
-    assert rechecks == {"intact": 2, "not_rechecked": 1}
+    assert rechecks == {"intact": 2, "not_rechecked": 1}  # a read after the release is no re-check
+    assert soak.producer_reads_after_release(log) == {"a"}
 
     def judged(rechecks, sent, died=False):
         report = {"failures": [], "ok": True}
@@ -343,3 +345,28 @@ def test_the_producers_rechecks_are_counted_and_judged(tmp_path):
     assert not judged(rechecks, 2)["ok"]  # a send re-checked twice
     assert judged(rechecks, 4, died=True)["ok"]  # ... unless the producer was killed
     assert "false alarms" in judged({"intact": 2, "changed": 1}, 3)["failures"][0]
+
+
+def test_every_pull_victim_was_read_after_its_producer_released_it():
+    truths = [truth.LoadTruth("c1", "victim", remote_request_id="p1"),
+              truth.LoadTruth("c2", "victim", remote_request_id="p2"),
+              truth.LoadTruth("c3", "clean", remote_request_id="p3")]
+
+    def judged(late, counted, mode="pull", died=False):
+        report = {"failures": [], "ok": True}
+        soak.judge_reads_after_release(report, truths, late, counted, mode, died)
+        return report
+
+    ok = judged({"p1", "p2", "p3"}, 3)  # a clean load read after the release: its blocks were not reused yet
+    assert ok["ok"] and ok["producer_read_after_release"] == {"reads": 3, "counted": 3, "victims": 2,
+                                                              "victims_without": []}
+    missing = judged({"p1"}, 1)
+    assert not missing["ok"] and missing["producer_read_after_release"]["victims_without"] == ["c2"]
+    assert judged({"p1"}, 1, mode="push")["ok"]  # push and Mooncake make victims otherwise
+    assert not judged({"p1", "p2"}, 3)["ok"]  # the counter and the lines disagree
+    assert judged({"p1"}, 3, died=True)["ok"]  # the killed producer took its last lines with it
+
+
+def test_a_victim_names_its_producers_request():
+    got = truth.judge_loads([send("p1", SENT)], [load("c1", "p1", {"0": "X"})], set())
+    assert [(t.truth, t.remote_request_id) for t in got] == [("victim", "p1")]

@@ -232,7 +232,7 @@ class Side:
     # -- one engine step ---------------------------------------------------
 
     def step(self, finished_recving=frozenset(), forward=None, *, failed_recving=frozenset(), finished_on=None,
-             received=None, finished_sending=frozenset()):
+             received=None, finished_sending=frozenset(), read_after_release=None):
         """One engine step: schedule, `forward(scheduler_output)` writes the
         step's KV, every worker checksums and reports, the scheduler updates.
 
@@ -242,22 +242,29 @@ class Side:
         received: the checksums every worker's connector delivers (by
         request id; connector-owned carriers). finished_sending: the
         producer requests whose transfer every worker's connector reports
-        complete."""
+        complete. read_after_release: worker index -> the producer requests
+        that worker's connector reports read after it released them."""
         out = self.scheduler.schedule()
         if forward is not None:
             forward(out)
         merged = self.run_workers(out, finished_recving, failed_recving=failed_recving, finished_on=finished_on,
-                                  received=received, finished_sending=finished_sending)
+                                  received=received, finished_sending=finished_sending,
+                                  read_after_release=read_after_release)
         return out, self.update(out, merged)
 
     def run_workers(self, out, finished_recving=frozenset(), *, failed_recving=frozenset(), finished_on=None,
-                    received=None, finished_sending=frozenset()):
+                    received=None, finished_sending=frozenset(), read_after_release=None):
         """The workers' half of a step for scheduler output `out` (see step):
         their outputs, merged by the real KVOutputAggregator."""
         runner_outputs = []
         for i, w in enumerate(self.workers):
             done = set(finished_on.get(i, ())) if finished_on is not None else set(finished_recving)
-            checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, done, received=received)
+            late = (read_after_release or {}).get(i)
+            if late:  # (the argument comes with the read-after-release patch of the series)
+                checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, done, received=received,
+                                          read_after_release=late)
+            else:
+                checksums = checksum_step(w.checksums, out.kv_checksum_scheduled, done, received=received)
             kv_out = KVConnectorOutput(finished_recving=done or None, failed_recving=set(failed_recving) & done,
                                        finished_sending=set(finished_sending) or None, kv_checksums=checksums)
             runner_outputs.append(self.runner_output(out, kv_out))
@@ -528,6 +535,7 @@ class ReportingConnector:
         class _Reporting(KVConnectorBase_V1):
             finished: set[str] = set()
             received: dict[str, bytes] = {}
+            read_after_release: set[str] = set()
 
             def start_load_kv(self, forward_context, **kwargs): pass
             def wait_for_layer_load(self, layer_name): pass
@@ -543,12 +551,16 @@ class ReportingConnector:
                 results = KVConnectorTransferResults(finished_recving=done)
                 if received:  # (the field comes with the NIXL push patch of the series)
                     results.kv_checksums = received
+                late, self.read_after_release = self.read_after_release, set()
+                if late:  # (and this one with the read-after-release patch)
+                    results.kv_read_after_release = late
                 return results
 
         return _Reporting(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
 
 
-def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connector=None, received=None):
+def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connector=None, received=None,
+                read_after_release=frozenset()):
     """Like Side.step, with each worker's output made by a model runner's own
     connector path without a forward: "v1" (KVConnectorModelRunnerMixin,
     also the CPU backend's) or "v2" (ActiveKVConnector).
@@ -568,6 +580,7 @@ def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connec
             worker_connector = ReportingConnector(side.scheduler.vllm_config, side.scheduler.kv_cache_config)
             worker_connector.finished = set(finished_recving)
             worker_connector.received = dict(received or {})
+            worker_connector.read_after_release = set(read_after_release)
         kv_transfer_state._KV_CONNECTOR_AGENT = worker_connector
         try:
             if runner == "v1":
@@ -587,5 +600,4 @@ def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connec
         result.sampled_token_ids = side.sampled_tokens(reqs)
         runner_outputs.append(result)
     merged = side.aggregator.aggregate(runner_outputs, 0)
-    engine_outputs = side.scheduler.update_from_output(out, merged)
-    return out, {o.request_id: o for eco in engine_outputs.values() for o in eco.outputs}
+    return out, side.update(out, merged)
