@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from vllm_kvchecksum import faults
 from vllm_kvchecksum.blocks import request_blocks
 from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY
-from vllm_kvchecksum.kv_witness import block_digests
+from vllm_kvchecksum.kv_witness import block_digests, state_block_digests
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from vllm_kvchecksum.blocks import GroupLayout
 
 __all__ = ["KVChecksumFaultConnector", "FaultConnectorMetadata", "FaultPlan", "FaultDecision", "FaultSettings",
-           "FaultDecider", "ControlFile", "WitnessPlan", "parse_fault_settings", "parse_kinds", "checksummed_layers", "expect_of",
+           "FaultDecider", "ControlFile", "WitnessPlan", "parse_fault_settings", "parse_kinds", "checksummed_layers", "checksummed_state_layers", "expect_of",
            "injection_record", "describe_record", "DROP_CHECKSUMS", "KNOWN_KINDS", "LOGGER_NAME", "RECORD_FIELDS"]
 
 # A child of "vllm.kv_checksum": logs through vLLM's handlers, next to the
@@ -500,12 +500,38 @@ def checksummed_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                        kv_caches: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int) -> dict[int, list[str]]:
     """Per KV cache group this worker checksums, the layers it checksums.
 
-    The KVChecksumWorker's own plan (group_plan.plan_groups, with the same
-    inputs as runner.create_kv_checksum_worker), so a fault never lands in
+    The KVChecksumWorker's own plan (_worker_plans), so a fault never lands in
     a group the checksums skip (compressed or host-resident caches, ...):
     its record would promise a mismatch nobody reports. Mamba state groups
     are left out too: the drill's faults are per token, a state is not.
     """
+    plans = _worker_plans(vllm_config, kv_cache_config, kv_caches, tp_rank, tp_size)
+    return {gid: [c.name for c in plan.caches] for gid, plan in plans.items()
+            if plan.skip_reason is None and plan.caches and not plan.state}
+
+
+def checksummed_state_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                             kv_caches: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int
+                             ) -> dict[int, dict[str, int]]:
+    """Per Mamba state group this worker checksums, its layers and the bytes
+    of each layer's page the checksums cover (the states the connector
+    transfers): what the ground truth digests of a state block."""
+    from vllm_kvchecksum.group_plan import layer_spec
+    from vllm_kvchecksum.mamba_plan import covered_state_bytes
+
+    plans = _worker_plans(vllm_config, kv_cache_config, kv_caches, tp_rank, tp_size)
+    out = {}
+    for gid, plan in plans.items():
+        if plan.skip_reason is None and plan.caches and plan.state:
+            group_spec = kv_cache_config.kv_cache_groups[gid].kv_cache_spec
+            out[gid] = {c.name: sum(covered_state_bytes(layer_spec(group_spec, c.name))) for c in plan.caches}
+    return out
+
+
+def _worker_plans(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor],
+                  tp_rank: int, tp_size: int):
+    """The KVChecksumWorker's own group plans (group_plan.plan_groups), with
+    the same inputs as runner.create_kv_checksum_worker."""
     from vllm_kvchecksum.group_plan import TPPosition, plan_groups
     from vllm_kvchecksum.runner import uniform_model_kv_heads
 
@@ -513,9 +539,7 @@ def checksummed_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         model_kv_heads = uniform_model_kv_heads(vllm_config)
     except Exception:  # no readable model config: replication is then decided from the caches alone
         model_kv_heads = None
-    plans = plan_groups(kv_cache_config, dict(kv_caches), TPPosition(tp_rank, tp_size, model_kv_heads), "torch")
-    return {gid: [c.name for c in plan.caches] for gid, plan in plans.items()
-            if plan.skip_reason is None and plan.caches and not plan.state}
+    return plan_groups(kv_cache_config, dict(kv_caches), TPPosition(tp_rank, tp_size, model_kv_heads), "torch")
 
 
 # ----------------------------------------------------------------- connector
@@ -560,6 +584,8 @@ class KVChecksumFaultConnector(MultiConnector):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._ranks: tuple[int, int] = (0, 0)
         self._layers: dict[int, list[str]] = {}
+        # Mamba state groups: layer -> bytes of its page the ground truth digests.
+        self._state_layers: dict[int, dict[str, int]] = {}
         self._recent: collections.deque[tuple[str, int, tuple[int, ...]]] = collections.deque(maxlen=RECENT_LOADS)
         self._witness_loads: dict[str, WitnessPlan] = {}
         self._witness_sends: dict[str, WitnessPlan] = {}
@@ -886,6 +912,13 @@ class KVChecksumFaultConnector(MultiConnector):
             except Exception:
                 logger.exception("KV checksum drill: cannot tell which KV cache groups are checksummed; no faults "
                                  "will be injected on this worker.")
+            if self.settings.witness_path is not None:
+                try:
+                    self._state_layers = checksummed_state_layers(self._vllm_config, self._kv_cache_config,
+                                                                  kv_caches, self._ranks[0], _tp_size())
+                except Exception:
+                    logger.exception("KV checksum drill: cannot tell which Mamba state groups are checksummed; "
+                                     "the ground truth leaves their state out.")
 
     @property
     def injects(self) -> bool:
@@ -998,6 +1031,11 @@ class KVChecksumFaultConnector(MultiConnector):
     def _digests(self, plan: WitnessPlan) -> dict[str, dict[str, str]]:
         out = {}
         for group, (first, block_ids) in sorted(plan.groups.items()):
+            state = self._state_layers.get(group)
+            if state:
+                pages = {name: (self._kv_caches[name], covered) for name, covered in state.items()}
+                out[str(group)] = {str(p): d for p, d in state_block_digests(pages, block_ids, first).items()}
+                continue
             caches = self._group_caches(group)
             if not caches or not block_ids or first * self._block_size(group) >= plan.num_tokens:
                 continue

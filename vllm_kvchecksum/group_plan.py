@@ -96,7 +96,8 @@ def layer_fingerprint(name: str, spec: KVCacheSpec) -> int:
     return fingerprint64(f"{name}\0{type(spec).__name__}\0{dtype}")
 
 
-def _layer_spec(group_spec: KVCacheSpec, name: str) -> KVCacheSpec:
+def layer_spec(group_spec: KVCacheSpec, name: str) -> KVCacheSpec:
+    """One layer's spec in a group (a UniformTypeKVCacheSpecs group holds one per layer)."""
     if isinstance(group_spec, UniformTypeKVCacheSpecs):
         return group_spec.kv_cache_specs[name]
     return group_spec
@@ -151,7 +152,7 @@ def plan_group(group_id: int, kv_cache_config: KVCacheConfig, kv_caches: dict[st
         return plan_state_group(plan, group.layer_names, kv_cache_config, kv_caches, pos, path)
     entries = []  # (layer, name, module, spec, tensor)
     for name in group.layer_names:
-        spec = _layer_spec(group.kv_cache_spec, name)
+        spec = layer_spec(group.kv_cache_spec, name)
         reason = _spec_skip_reason(spec)
         if reason:
             return skip(f"layer {name}: {reason}")
@@ -235,7 +236,7 @@ def plan_state_group(plan: GroupPlan, layer_names, kv_cache_config: KVCacheConfi
     # after another, in name order, so no two slices share a factor.
     next_row = defaultdict(int)
     for layer, name, module in sorted(entries):
-        spec = _layer_spec(kv_cache_config.kv_cache_groups[plan.group_id].kv_cache_spec, name)
+        spec = layer_spec(kv_cache_config.kv_cache_groups[plan.group_id].kv_cache_spec, name)
         try:
             planned = plan_state_layer(name, layer, spec, kv_caches[name], pos, kv_cache_config.num_blocks, path,
                                        first_row=next_row[module])

@@ -10,8 +10,10 @@ KV that differs from what the producer computed: a victim. The soak
 
 Independent of the checksum definition: sha256 of the raw bytes of each
 block's token slots that hold the request's tokens, layer after layer (by
-name), with no arithmetic on the values. Only the cache addressing is
-shared with the drill's faults (faults.byte_blocks). Imports no vLLM.
+name), with no arithmetic on the values; for a Mamba state block, the bytes
+of the states the connector transfers from each layer's page. Only the cache
+addressing is shared with the drill's faults (faults.byte_blocks). Imports
+no vLLM.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from vllm_kvchecksum.faults import byte_blocks
 
-__all__ = ["DIGEST_CHARS", "block_digests", "differing_positions"]
+__all__ = ["DIGEST_CHARS", "block_digests", "state_block_digests", "differing_positions"]
 
 # Hex characters kept per block: 64 bits, enough to tell blocks apart in a run.
 DIGEST_CHARS = 16
@@ -44,6 +46,23 @@ def block_digests(caches: Mapping[str, torch.Tensor], block_ids: Sequence[int], 
             h.update(name.encode())
             h.update(blocks.get(name, block_id, 0, valid).contiguous().cpu().numpy().tobytes())
         digests[position] = h.hexdigest()[:DIGEST_CHARS]
+    return digests
+
+
+def state_block_digests(pages: Mapping[str, tuple[torch.Tensor, int]], block_ids: Sequence[int],
+                        first_position: int) -> dict[int, str]:
+    """Block position -> digest of a Mamba state group's blocks: for each
+    layer (by name), the first `covered` bytes of the block's page, the states
+    the connector transfers (mamba_plan.covered_state_bytes).
+    pages: name -> (page view [blocks, ...] of the layer, covered bytes)."""
+    digests = {}
+    for i, block_id in enumerate(block_ids):
+        h = hashlib.sha256()
+        for name in sorted(pages):
+            page, covered = pages[name]
+            h.update(name.encode())
+            h.update(page[block_id].reshape(-1).view(torch.uint8)[:covered].cpu().numpy().tobytes())
+        digests[first_position + i] = h.hexdigest()[:DIGEST_CHARS]
     return digests
 
 

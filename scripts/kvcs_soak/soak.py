@@ -746,7 +746,17 @@ def print_table(report: dict) -> None:
 # model (the hybrid manager's groups share one pool; 24 blocks of 32 tokens
 # hold one request of the servers' 512-token limit per group, with some room).
 BLOCKS_PER_GROUP = 24
-KV_CACHE_GROUPS = {"llama": 1, "gemma2": 2}
+KV_CACHE_GROUPS = {"llama": 1, "gemma2": 2, "granite-h": 2}
+
+
+def soak_model(name: str) -> Path:
+    """The tiny random model `name` (made once under build/, nothing downloaded)."""
+    if name == "granite-h":
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from make_tiny_model import make_granite_h
+
+        return make_granite_h(ROOT / "build" / "tiny-granite-h").resolve()
+    return make_models(ROOT / "build")[name]
 
 
 def parse_args(argv=None):
@@ -756,7 +766,7 @@ def parse_args(argv=None):
     p.add_argument("--blocks", type=int, default=None,
                    help=f"KV cache blocks of each server, of 32 tokens: small, so both sides preempt (default "
                         f"{BLOCKS_PER_GROUP} per KV cache group: {BLOCKS_PER_GROUP} for llama, "
-                        f"{2 * BLOCKS_PER_GROUP} for gemma2, whose sliding-window and full groups share the pool)")
+                        f"{2 * BLOCKS_PER_GROUP} for gemma2 and granite-h, whose two groups share the pool)")
     p.add_argument("--lease-s", type=int, default=5,
                    help="the producer's KV lease (NIXL kv_lease_duration, seconds; vLLM's default is 30)")
     p.add_argument("--stall-rate", type=float, default=0.1,
@@ -770,8 +780,9 @@ def parse_args(argv=None):
     p.add_argument("--min-clean", type=int, default=500, help="clean loads the run must judge (default 500)")
     p.add_argument("--mode", choices=MODES, default="pull",
                    help="the connector of both servers: NIXL pull (default), NIXL push, Mooncake P2P")
-    p.add_argument("--model", choices=("llama", "gemma2"), default="llama",
-                   help="the tiny Llama (one KV cache group) or the tiny Gemma-2 (sliding-window and full groups)")
+    p.add_argument("--model", choices=tuple(KV_CACHE_GROUPS), default="llama",
+                   help="the tiny Llama (one KV cache group), the tiny Gemma-2 (sliding-window and full groups) "
+                        "or the tiny granite-4.0-h style hybrid (a Mamba2 state group and an attention group)")
     p.add_argument("--proxy", choices=("project", "vllm"), default="project",
                    help="the demo's P/D proxy (default), or vLLM's own toy proxy "
                         "(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py; pull mode; half the "
@@ -813,7 +824,7 @@ def main(argv=None) -> int:
     for old in [*work.glob("*.log"), *work.glob("*.jsonl"), work / "report.json", work / "process_groups.json"]:
         if old.is_file():
             old.unlink()
-    model = args.model_path or make_models(ROOT / "build")[args.model]
+    model = args.model_path or soak_model(args.model)
     setup = Setup("soak", model, policy="fail", faults=False, mode=args.mode)
     specs = server_specs(setup, args, work)
     # Mid-transfer aborts need the pull legs (the client runs them itself);
@@ -875,6 +886,10 @@ def main(argv=None) -> int:
         # Drained (held_state): every transfer's re-check is in the log.
         rechecks = producer_rechecks(setup.logs["producer"])
         late_reads = producer_reads_after_release(setup.logs["producer"])
+        # An idle producer reads the notifications of late reads only when it
+        # steps again: held_state's request made it step, after `after`.
+        late_counted = (checksum_counts(setup.urls["producer"]).get(metrics.PRODUCER_READ_AFTER_RELEASE, 0)
+                        - before["producer"].get(metrics.PRODUCER_READ_AFTER_RELEASE, 0)) if alive["producer"] else 0
         timeline = sampler.stop()
         # The ground truth of the run, before the cost phase adds loads of its own.
         sends = truth.read_lines(work / "producer.witness.jsonl")
@@ -893,9 +908,7 @@ def main(argv=None) -> int:
     report["where"] = where_of_victims(truths, setup.logs["consumer"], setup.logs["producer"])
     judge_where(report, args.mode)
     judge_rechecks(report, rechecks, int(counts["producer"].get("sent", 0)), death is not None)
-    judge_reads_after_release(report, truths, late_reads,
-                              counts["producer"].get(metrics.PRODUCER_READ_AFTER_RELEASE, 0), args.mode,
-                              death is not None)
+    judge_reads_after_release(report, truths, late_reads, late_counted, args.mode, death is not None)
     report["cost"] = cost
     report["timeline"] = timeline
     report["latencies"] = latencies(answers, cost)

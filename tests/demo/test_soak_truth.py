@@ -284,6 +284,8 @@ def test_the_kv_cache_pool_grows_with_the_models_groups(tmp_path):
     assert soak.parse_args(["--out", str(tmp_path)]).blocks == 24
     assert soak.parse_args(["--model", "gemma2", "--out", str(tmp_path)]).blocks == 48
     assert soak.parse_args(["--model", "gemma2", "--blocks", "30", "--out", str(tmp_path)]).blocks == 30
+    # granite-h: a Mamba2 state group and an attention group.
+    assert soak.parse_args(["--model", "granite-h", "--out", str(tmp_path)]).blocks == 48
 
 
 def test_where_each_caught_victim_happened(tmp_path):

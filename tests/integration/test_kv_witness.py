@@ -333,3 +333,63 @@ def test_a_send_is_witnessed_over_its_whole_prompt_after_a_hit_and_after_a_resum
     # The resumed prompt step computed past the prompt; the digests do not.
     assert scheduled[2][0] and scheduled[2][1] > PROMPT
     assert [p.num_tokens for p in plans] == [PROMPT, PROMPT] and plans[1].groups[0][0] == 0
+
+
+# -- Mamba state ------------------------------------------------------------------
+
+
+@pytest.fixture
+def hybrid_worker(tmp_path):
+    """A fault connector's worker half over real CPU caches of an attention
+    group and a Mamba2 state group (hybrid_harness's layers), witnessing."""
+    from hybrid_harness import ATTENTION_LAYERS, MAMBA_LAYERS, Mamba2Layer, mamba_layer_name
+    from pd_harness import layer_name
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    mamba = Mamba2Layer().spec(1, BLOCK, attention.page_size_bytes)
+    groups = [KVCacheGroupSpec([layer_name(i) for i in ATTENTION_LAYERS], attention),
+              KVCacheGroupSpec([mamba_layer_name(i) for i in MAMBA_LAYERS], mamba)]
+    from kv_setup import build_caches
+
+    kv_cache_config, caches = build_caches(groups, 24, seed=5)
+    cfg = {"log_path": str(tmp_path / "injections.jsonl"), "witness_path": str(tmp_path / "witness.jsonl")}
+    conn = create(fault_config(faults_cfg=cfg, connectors=[STUB]), KVConnectorRole.WORKER, kv_cache_config)
+    conn.register_kv_caches(caches)
+    covered = sum(b for b in (mamba.shapes[0][0] * mamba.shapes[0][1] * 2,
+                              mamba.shapes[1][0] * mamba.shapes[1][1] * mamba.shapes[1][2] * 4))
+    return conn, caches, [mamba_layer_name(i) for i in MAMBA_LAYERS], covered
+
+
+def test_a_mamba_states_digest_covers_the_transferred_states_and_nothing_else(hybrid_worker, tmp_path):
+    conn, caches, mamba_layers, covered = hybrid_worker
+    assert conn._state_layers == {1: dict.fromkeys(mamba_layers, covered)}
+    state, copy = 6, 9
+    sent = fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT), 1: (0, (state,))})
+    witness(conn, sends={"p": sent})
+    finish(conn)
+    for name in mamba_layers:
+        caches[name][copy] = caches[name][state]
+    assert caches[mamba_layers[1]][copy].numel() == covered  # the page view holds the two states, no padding
+    load = fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT), 1: (0, (copy,))}, remote_request_id="p")
+    witness(conn, loads={"c": load})
+    finish(conn, finished={"c"})
+    # A bit of the second layer's temporal state, last covered byte.
+    caches[mamba_layers[1]][copy].view(torch.uint8).view(-1)[covered - 1] ^= 0x01
+    witness(conn, loads={"d": load})
+    finish(conn, finished={"d"})
+    [s] = records(tmp_path, "send")
+    clean, bad = records(tmp_path, "load")
+    assert sorted(s["digests"]) == ["0", "1"] and list(s["digests"]["1"]) == ["0"]
+    assert differing_positions(s["digests"]["1"], clean["digests"]["1"]) == []
+    assert differing_positions(s["digests"]["1"], bad["digests"]["1"]) == [0]
+    assert differing_positions(s["digests"]["0"], bad["digests"]["0"]) == []
+
+
+def test_a_state_group_the_checksums_skip_is_not_digested(hybrid_worker, monkeypatch, tmp_path):
+    conn, caches, mamba_layers, covered = hybrid_worker
+    monkeypatch.setattr(conn, "_state_layers", {})
+    witness(conn, sends={"p": fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT), 1: (0, (6,))})})
+    finish(conn)
+    [s] = records(tmp_path, "send")
+    assert sorted(s["digests"]) == ["0"]
