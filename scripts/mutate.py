@@ -5,7 +5,8 @@
 
 MUTATIONS.json lists {"name", "file", "old", "new", "tests": [...], "args": [...]}: `old`
 must occur exactly once in vllm_kvchecksum/FILE (or, with "tree": "vllm", in
-build/vllm/FILE: a patch's own vLLM code, changed in place and restored). Each mutant is a copy of
+build/vllm/FILE: a patch's own vLLM code, changed in place and restored; with
+"tree": "scripts", in scripts/FILE, copied like the package). Each mutant is a copy of
 the package and the tests under /tmp/kvchecksum-mutants/NAME (build/ and
 .venv linked), where pytest runs: the copy comes first on sys.path, ahead
 of the editable install. Prints one line per mutant: killed (some test
@@ -32,11 +33,15 @@ def run(mutation: dict) -> bool:
     dest = Path("/tmp/kvchecksum-mutants") / mutation["name"]
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
-    for tree in ("vllm_kvchecksum", "tests"):
+    # "tree": "scripts": a mutant of the scripts (the demo, the soak), copied too.
+    in_scripts = mutation.get("tree") == "scripts"
+    copied = ("vllm_kvchecksum", "tests", "scripts") if in_scripts else ("vllm_kvchecksum", "tests")
+    for tree in copied:
         shutil.copytree(ROOT / tree, dest / tree, ignore=shutil.ignore_patterns("__pycache__"))
     for link in ("build", ".venv", "pyproject.toml", "scripts"):
-        (dest / link).symlink_to(ROOT / link)
-    path = dest / "vllm_kvchecksum" / mutation["file"]
+        if link not in copied:
+            (dest / link).symlink_to(ROOT / link)
+    path = dest / ("scripts" if in_scripts else "vllm_kvchecksum") / mutation["file"]
     text = path.read_text()
     if text.count(mutation["old"]) != 1:
         raise SystemExit(f"{mutation['name']}: `old` occurs {text.count(mutation['old'])} times in {path}")

@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from vllm_kvchecksum import faults
 from vllm_kvchecksum.blocks import request_blocks
 from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY
-from vllm_kvchecksum.kv_witness import block_digests, state_block_digests
+from vllm_kvchecksum.kv_witness import head_digests, state_block_digests
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from vllm_kvchecksum.blocks import GroupLayout
 
 __all__ = ["KVChecksumFaultConnector", "FaultConnectorMetadata", "FaultPlan", "FaultDecision", "FaultSettings",
-           "FaultDecider", "ControlFile", "WitnessPlan", "parse_fault_settings", "parse_kinds", "checksummed_layers", "checksummed_state_layers", "expect_of",
+           "FaultDecider", "ControlFile", "WitnessPlan", "parse_fault_settings", "parse_kinds", "checksummed_layers", "witnessed_layers", "expect_of",
            "injection_record", "describe_record", "DROP_CHECKSUMS", "KNOWN_KINDS", "LOGGER_NAME", "RECORD_FIELDS"]
 
 # A child of "vllm.kv_checksum": logs through vLLM's handlers, next to the
@@ -510,22 +510,27 @@ def checksummed_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
             if plan.skip_reason is None and plan.caches and not plan.state}
 
 
-def checksummed_state_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                             kv_caches: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int
-                             ) -> dict[int, dict[str, int]]:
-    """Per Mamba state group this worker checksums, its layers and the bytes
-    of each layer's page the checksums cover (the states the connector
-    transfers): what the ground truth digests of a state block."""
+def witnessed_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                     kv_caches: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int
+                     ) -> tuple[dict[int, dict[str, int]], dict[int, dict[str, int]]]:
+    """What this worker's ground truth digests, from the checksum worker's own plan:
+    (per attention group, each layer's first global KV head on this rank;
+    per Mamba state group, the bytes of each layer's page the checksums
+    cover, the states the connector transfers)."""
     from vllm_kvchecksum.group_plan import layer_spec
     from vllm_kvchecksum.mamba_plan import covered_state_bytes
 
     plans = _worker_plans(vllm_config, kv_cache_config, kv_caches, tp_rank, tp_size)
-    out = {}
+    heads, states = {}, {}
     for gid, plan in plans.items():
-        if plan.skip_reason is None and plan.caches and plan.state:
+        if plan.skip_reason is not None or not plan.caches:
+            continue
+        if plan.state:
             group_spec = kv_cache_config.kv_cache_groups[gid].kv_cache_spec
-            out[gid] = {c.name: sum(covered_state_bytes(layer_spec(group_spec, c.name))) for c in plan.caches}
-    return out
+            states[gid] = {c.name: sum(covered_state_bytes(layer_spec(group_spec, c.name))) for c in plan.caches}
+        else:
+            heads[gid] = {c.name: c.first_head for c in plan.caches}
+    return heads, states
 
 
 def _worker_plans(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor],
@@ -584,7 +589,10 @@ class KVChecksumFaultConnector(MultiConnector):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._ranks: tuple[int, int] = (0, 0)
         self._layers: dict[int, list[str]] = {}
-        # Mamba state groups: layer -> bytes of its page the ground truth digests.
+        # What the ground truth digests (witnessed_layers): per attention
+        # group, layer -> first global KV head here; per Mamba state group,
+        # layer -> bytes of its page.
+        self._witness_heads: dict[int, dict[str, int]] = {}
         self._state_layers: dict[int, dict[str, int]] = {}
         self._recent: collections.deque[tuple[str, int, tuple[int, ...]]] = collections.deque(maxlen=RECENT_LOADS)
         self._witness_loads: dict[str, WitnessPlan] = {}
@@ -912,19 +920,26 @@ class KVChecksumFaultConnector(MultiConnector):
             except Exception:
                 logger.exception("KV checksum drill: cannot tell which KV cache groups are checksummed; no faults "
                                  "will be injected on this worker.")
-            if self.settings.witness_path is not None:
-                try:
-                    self._state_layers = checksummed_state_layers(self._vllm_config, self._kv_cache_config,
-                                                                  kv_caches, self._ranks[0], _tp_size())
-                except Exception:
-                    logger.exception("KV checksum drill: cannot tell which Mamba state groups are checksummed; "
-                                     "the ground truth leaves their state out.")
+        if self.witnesses:
+            try:
+                self._witness_heads, self._state_layers = witnessed_layers(
+                    self._vllm_config, self._kv_cache_config, kv_caches, self._ranks[0], _tp_size())
+            except Exception:
+                logger.exception("KV checksum drill: cannot tell which KV cache groups are checksummed; this "
+                                 "worker digests nothing for the ground truth.")
 
     @property
     def injects(self) -> bool:
         """Whether this worker injects: TP rank 0 of PP stage 0 only, so one
         fault hits one copy of the KV (under PP only stage-0 layers)."""
         return bool(self._kv_caches) and self._ranks == (0, 0)
+
+    @property
+    def witnesses(self) -> bool:
+        """Whether this worker digests transfers for the ground truth: every
+        TP rank of PP stage 0 (each digests its own heads, keyed by global
+        head, so the two sides' TP sizes may differ); stage-0 layers only."""
+        return self.settings.witness_path is not None and bool(self._kv_caches) and self._ranks[1] == 0
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Keep the step's new plans; the child gets its own metadata.
@@ -936,9 +951,10 @@ class KVChecksumFaultConnector(MultiConnector):
             # one copy reaches the scheduler); one worker injects the rest.
             self._plans.update({rid: plan for rid, plan in connector_metadata.fault_plans.items()
                                 if self.injects or plan.kind == DROP_CHECKSUMS})
-            if self.injects:
+            if self.witnesses:
                 self._witness_loads.update(connector_metadata.witness_loads)
                 self._witness_sends = dict(connector_metadata.witness_sends)
+            if self.injects:
                 # Held blocks of finished producer requests, checksummed in an
                 # earlier step: nothing of this step writes them.
                 for req_id, plan in sorted(connector_metadata.send_fault_plans.items()):
@@ -1029,18 +1045,22 @@ class KVChecksumFaultConnector(MultiConnector):
         return invalid
 
     def _digests(self, plan: WitnessPlan) -> dict[str, dict[str, str]]:
+        """group -> digest key -> digest: "position:hHEAD" per global KV head
+        of attention KV; "position:tpSIZE.RANK" for a Mamba state block
+        (a rank's shard of the state: comparable only at equal TP sizes)."""
         out = {}
         for group, (first, block_ids) in sorted(plan.groups.items()):
             state = self._state_layers.get(group)
             if state:
                 pages = {name: (self._kv_caches[name], covered) for name, covered in state.items()}
-                out[str(group)] = {str(p): d for p, d in state_block_digests(pages, block_ids, first).items()}
+                shard = f"tp{_tp_size()}.{self._ranks[0]}"
+                out[str(group)] = {f"{p}:{shard}": d for p, d in state_block_digests(pages, block_ids, first).items()}
                 continue
-            caches = self._group_caches(group)
-            if not caches or not block_ids or first * self._block_size(group) >= plan.num_tokens:
+            heads = self._witness_heads.get(group)
+            if not heads or not block_ids or first * self._block_size(group) >= plan.num_tokens:
                 continue
-            digests = block_digests(caches, block_ids, first, plan.num_tokens, self._block_size(group))
-            out[str(group)] = {str(p): d for p, d in digests.items()}
+            caches = {name: self._kv_caches[name] for name in heads}
+            out[str(group)] = head_digests(caches, heads, block_ids, first, plan.num_tokens, self._block_size(group))
         return out
 
     def _witness_write(self, side: str, req_id: str, plan: WitnessPlan | None, digests) -> None:

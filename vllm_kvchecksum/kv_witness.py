@@ -25,28 +25,32 @@ import torch
 
 from vllm_kvchecksum.faults import byte_blocks
 
-__all__ = ["DIGEST_CHARS", "block_digests", "state_block_digests", "differing_positions"]
+__all__ = ["DIGEST_CHARS", "head_digests", "state_block_digests", "differing_positions", "key_position"]
 
 # Hex characters kept per block: 64 bits, enough to tell blocks apart in a run.
 DIGEST_CHARS = 16
 
 
-def block_digests(caches: Mapping[str, torch.Tensor], block_ids: Sequence[int], first_position: int,
-                  num_tokens: int, block_size: int) -> dict[int, str]:
-    """Block position -> digest of that block's bytes, for the positions of
-    `block_ids` (block_ids[0] at `first_position`) holding tokens below
-    `num_tokens`. caches: one KV cache group's [blocks, heads, tokens, cell]
-    tensors on this worker."""
+def head_digests(caches: Mapping[str, torch.Tensor], first_heads: Mapping[str, int], block_ids: Sequence[int],
+                 first_position: int, num_tokens: int, block_size: int) -> dict[str, str]:
+    """"position:hHEAD" -> digest of one global KV head's bytes in a block, over
+    the group's layers (by name): a rank holds some heads, so digests of the
+    same head on two sides compare whatever their TP sizes. first_heads:
+    each layer's first global KV head on this worker. caches: one KV cache
+    group's [blocks, heads, tokens, cell] tensors on this worker; the
+    positions of `block_ids` (block_ids[0] at `first_position`) holding
+    tokens below `num_tokens`, each over its token slots only."""
     blocks = byte_blocks(caches, block_ids, first_position, num_tokens, block_size)
-    digests = {}
+    hashers: dict[tuple[int, int], hashlib._Hash] = {}
     for position in blocks.positions:
         block_id, valid = blocks.block_id(position), blocks.valid(position)
-        h = hashlib.sha256()
         for name in sorted(blocks.distinct):
-            h.update(name.encode())
-            h.update(blocks.get(name, block_id, 0, valid).contiguous().cpu().numpy().tobytes())
-        digests[position] = h.hexdigest()[:DIGEST_CHARS]
-    return digests
+            data = blocks.get(name, block_id, 0, valid)
+            for local in range(data.shape[0]):
+                h = hashers.setdefault((position, first_heads[name] + local), hashlib.sha256())
+                h.update(name.encode())
+                h.update(data[local].contiguous().cpu().numpy().tobytes())
+    return {f"{p}:h{head}": h.hexdigest()[:DIGEST_CHARS] for (p, head), h in sorted(hashers.items())}
 
 
 def state_block_digests(pages: Mapping[str, tuple[torch.Tensor, int]], block_ids: Sequence[int],
@@ -66,8 +70,22 @@ def state_block_digests(pages: Mapping[str, tuple[torch.Tensor, int]], block_ids
     return digests
 
 
-def differing_positions(sent: Mapping[int, str], loaded: Mapping[int, str]) -> list[int]:
-    """The block positions a load holds whose digest differs from the
-    producer's (positions the producer did not digest are not judged)."""
-    sent = {int(p): d for p, d in sent.items()}
-    return sorted(int(p) for p, d in loaded.items() if int(p) in sent and sent[int(p)] != d)
+def key_position(key) -> int:
+    """The block position of a digest key ("position", or "position:part")."""
+    return int(str(key).split(":", 1)[0])
+
+
+def differing_positions(sent: Mapping[str, str], loaded: Mapping[str, str | Sequence[str]]) -> list[int]:
+    """The block positions where a load's digest differs from the producer's,
+    at keys both hold (keys the producer did not digest are not judged). A
+    loaded value may list several workers' digests of one key (a replicated
+    head): any that differs counts."""
+    sent = {str(k): d for k, d in sent.items()}
+    differ = set()
+    for key, got in loaded.items():
+        want = sent.get(str(key))
+        if want is None:
+            continue
+        if any(d != want for d in ([got] if isinstance(got, str) else got)):
+            differ.add(key_position(key))
+    return sorted(differ)

@@ -477,6 +477,11 @@ def latency_summary(answers: list[Answer], wall_s: float) -> dict:
 COST_ROUNDS = 4
 
 
+def cost_setup(setup: Setup) -> Setup:
+    """The cost baseline: the soak's pair again (server_specs turns the checksums off)."""
+    return Setup("soak-off", setup.model, policy="fail", faults=False, mode=setup.mode, producer_tp=setup.producer_tp)
+
+
 def measure_cost(args, group: ProcessGroup, setup: Setup, servers: dict, proxy, work: Path) -> dict:
     """Latency and throughput under the same load with checksums on and off.
 
@@ -490,7 +495,7 @@ def measure_cost(args, group: ProcessGroup, setup: Setup, servers: dict, proxy, 
     plan = plan_traffic(args.cost, args.seed + 1, disconnect_rate=0.0, abort_rate=0.0)
     warm = plan_traffic(min(40, args.cost), args.seed + 2, disconnect_rate=0.0, abort_rate=0.0)
     set_stalls(work, 0.0)
-    off = Setup("soak-off", setup.model, policy="fail", faults=False, mode=setup.mode)
+    off = cost_setup(setup)
     specs = server_specs(off, args, work, checksums=False)
     started = [group.start(spec) for spec in specs.values()]
     port = free_port_block(1)
@@ -759,6 +764,11 @@ def soak_model(name: str) -> Path:
     return make_models(ROOT / "build")[name]
 
 
+def soak_setup(args, model: Path) -> Setup:
+    """The soak's pair: fail-closed, policy "fail", the drill connector without faults."""
+    return Setup("soak", model, policy="fail", faults=False, mode=args.mode, producer_tp=args.producer_tp)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="make soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=1000, help="client requests in the run (default 1000)")
@@ -783,6 +793,9 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=tuple(KV_CACHE_GROUPS), default="llama",
                    help="the tiny Llama (one KV cache group), the tiny Gemma-2 (sliding-window and full groups) "
                         "or the tiny granite-4.0-h style hybrid (a Mamba2 state group and an attention group)")
+    p.add_argument("--producer-tp", type=int, choices=(1, 2), default=1,
+                   help="the producer's tensor-parallel size (the consumer's is 1); each TP rank digests its "
+                        "own KV heads for the ground truth")
     p.add_argument("--proxy", choices=("project", "vllm"), default="project",
                    help="the demo's P/D proxy (default), or vLLM's own toy proxy "
                         "(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py; pull mode; half the "
@@ -825,7 +838,7 @@ def main(argv=None) -> int:
         if old.is_file():
             old.unlink()
     model = args.model_path or soak_model(args.model)
-    setup = Setup("soak", model, policy="fail", faults=False, mode=args.mode)
+    setup = soak_setup(args, model)
     specs = server_specs(setup, args, work)
     # Mid-transfer aborts need the pull legs (the client runs them itself);
     # in push and Mooncake mode the proxy's legs run at once.
@@ -840,7 +853,8 @@ def main(argv=None) -> int:
             {m.name: m.pgid for m in [*servers.values(), proxy]}))
         group.wait_healthy([*servers.values(), proxy], timeout=STARTUP_TIMEOUT_S)
         log(f"producer and consumer healthy after {time.monotonic() - t0:.0f} s; {args.requests} requests, "
-            f"{args.concurrency} in flight, {args.mode} mode, {args.model}, {args.blocks} KV blocks per server, "
+            f"{args.concurrency} in flight, {args.mode} mode, {args.model}, producer TP {args.producer_tp}, "
+            f"{args.blocks} KV blocks per server, "
             f"lease {args.lease_s} s "
             f"(logs in {work})")
         before = {side: scrape_counts(setup.urls[side]) for side in servers}

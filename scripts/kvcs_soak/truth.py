@@ -6,8 +6,10 @@ lines, the consumer's log, /metrics deltas), so each rule is unit-tested
 a victim when the bytes it received differ from what its producer sent at
 some block position both digested; clean when every position agrees;
 unknown when its producer's digests are missing (e.g. the producer was
-killed before it wrote them) or do not cover every block it loaded, or the
-two sides' TP sizes differ.
+killed before it wrote them) or do not cover every block (and KV head) it
+loaded. Each TP rank digests its own KV heads by global head number, so the
+two sides' TP sizes may differ; a Mamba state shard is compared only
+between equal TP sizes.
 """
 
 from __future__ import annotations
@@ -62,42 +64,69 @@ class LoadTruth:
     remote_request_id: str | None = None  # the producer's request, where the load was paired with it
 
 
+def _merged(lines: Iterable[dict], side: str) -> dict[tuple[str, int], dict]:
+    """One producer send or consumer load per (request id, occurrence), merged over the TP ranks that
+    digested it (each writes its own line, of its own heads): group -> key -> [digests], in rank order.
+    The k-th line of a request on each rank is its k-th occurrence."""
+    seen: Counter = Counter()
+    out: dict[tuple[str, int], dict] = {}
+    for line in lines:
+        if line.get("side") != side:
+            continue
+        rid = line["request_id"]
+        k = seen[(rid, line.get("tp_rank", 0))]
+        seen[(rid, line.get("tp_rank", 0))] += 1
+        merged = out.setdefault((rid, k), {**line, "digests": {}})
+        for group, digests in (line.get("digests") or {}).items():
+            for key, digest in digests.items():
+                merged["digests"].setdefault(group, {}).setdefault(str(key), []).append(digest)
+    return out
+
+
+def _state_shard(key: str) -> str | None:
+    """The TP size of a Mamba state key ("position:tpSIZE.RANK"), else None."""
+    part = key.split(":", 1)[1] if ":" in key else ""
+    return part.split(".", 1)[0] if part.startswith("tp") else None
+
+
 def judge_loads(sends: Iterable[dict], loads: Iterable[dict], mismatched: set[str]) -> list[LoadTruth]:
     """Each consumer load (a "load" or "load_failed" witness line) with its truth and verdict."""
     sent = {}
-    for s in sends:
-        if s.get("side") == "send":
-            # A request sent twice (recomputed after a preemption): the last prompt digests count.
-            sent[s["request_id"]] = s
+    for (rid, _), s in _merged(sends, "send").items():
+        # A request sent twice (recomputed after a preemption): the last prompt digests count.
+        sent[rid] = {**s, "digests": {g: {k: v[-1] for k, v in d.items()} for g, d in s["digests"].items()}}
     # Push and Mooncake loads do not name the producer's request id: their
     # kv_transfer_params come from the proxy. Both legs carry the client's
     # X-Request-Id (soak-N), so the client pairs them.
     by_client = {client_index(rid): s for rid, s in sent.items() if client_index(rid) is not None}
+    loads = list(loads)
     # A load the connector reported failed (a "load_failed" line, also after
     # its digests when the connector named its bad blocks) was never used.
     failed = {load["request_id"] for load in loads if load.get("side") == "load_failed"}
     out = []
-    for load in loads:
-        rid = load["request_id"]
+    for (rid, _), line in _merged(loads, "load_failed").items():
+        out.append(LoadTruth(rid, "load_failed", verdict="mismatch" if rid in mismatched else "verified_or_other"))
+    for (rid, _), load in _merged(loads, "load").items():
         verdict = "mismatch" if rid in mismatched else "verified_or_other"
         if rid in failed:
-            if load.get("side") == "load_failed":
-                out.append(LoadTruth(rid, "load_failed", verdict=verdict))
-            continue
-        if load.get("side") != "load":
             continue
         producer = sent.get(load.get("remote_request_id")) or by_client.get(client_index(rid))
-        if producer is None or producer.get("tp_size") != load.get("tp_size"):
+        if producer is None:
             out.append(LoadTruth(rid, "unknown", verdict=verdict))
             continue
         positions, sent_digests = {}, producer.get("digests", {})
-        loaded = load.get("digests") or {}
-        if any(str(p) not in sent_digests.get(group, {}) for group, digests in loaded.items() for p in digests):
-            # A block the producer did not digest: the load is not judged on
-            # a part of what it received.
+        judged = {}
+        for group, digests in load["digests"].items():
+            theirs = sent_digests.get(group, {})
+            shards = {_state_shard(k) for k in theirs}
+            # A Mamba state shard of another TP size holds other bytes: not comparable, not judged.
+            judged[group] = {k: v for k, v in digests.items() if _state_shard(k) is None or _state_shard(k) in shards}
+        if any(k not in sent_digests.get(group, {}) for group, digests in judged.items() for k in digests):
+            # A block (or head) the producer did not digest: the load is not
+            # judged on a part of what it received.
             out.append(LoadTruth(rid, "unknown", verdict=verdict))
             continue
-        for group, digests in loaded.items():
+        for group, digests in judged.items():
             differ = differing_positions(sent_digests.get(group, {}), digests)
             if differ:
                 positions[group] = differ

@@ -25,11 +25,11 @@ def test_a_load_is_a_victim_where_its_bytes_differ_and_clean_otherwise():
     loads = [load("c1", "p1", {"1": "b", "2": "c"}),      # after a local hit: positions 1.. only
              load("c2", "p2", {"0": "a", "1": "X", "2": "c"}),
              load("c3", "p-gone", {"0": "a"}),            # its producer's digests are missing
-             load("c4", "p1", {"0": "a"}, tp=2),          # other TP size: digests not comparable
+             load("c4", "p1", {"0": "a"}, tp=2),          # another TP size: keys (global heads) still compare
              load("c5", "p1", {}, side="load_failed")]
     got = {t.request_id: (t.truth, t.positions) for t in truth.judge_loads(sends, loads, set())}
     assert got == {"c1": ("clean", {}), "c2": ("victim", {"0": [1]}), "c3": ("unknown", {}),
-                   "c4": ("unknown", {}), "c5": ("load_failed", {})}
+                   "c4": ("clean", {}), "c5": ("load_failed", {})}
 
 
 def test_loads_that_do_not_name_the_producer_request_pair_by_client():
@@ -364,6 +364,7 @@ def test_every_pull_victim_was_read_after_its_producer_released_it():
                                                               "victims_without": []}
     missing = judged({"p1"}, 1)
     assert not missing["ok"] and missing["producer_read_after_release"]["victims_without"] == ["c2"]
+    assert missing["producer_read_after_release"]["victims"] == 1
     assert judged({"p1"}, 1, mode="push")["ok"]  # push and Mooncake make victims otherwise
     assert not judged({"p1", "p2"}, 3)["ok"]  # the counter and the lines disagree
     assert judged({"p1"}, 3, died=True)["ok"]  # the killed producer took its last lines with it
@@ -372,3 +373,64 @@ def test_every_pull_victim_was_read_after_its_producer_released_it():
 def test_a_victim_names_its_producers_request():
     got = truth.judge_loads([send("p1", SENT)], [load("c1", "p1", {"0": "X"})], set())
     assert [(t.truth, t.remote_request_id) for t in got] == [("victim", "p1")]
+
+
+def ranked(side, rid, digests, rank, tp, remote=None):
+    return {"side": side, "request_id": rid, "remote_request_id": remote, "digests": digests, "tp_rank": rank,
+            "tp_size": tp}
+
+
+def test_each_tp_rank_digests_its_own_heads_and_the_sides_may_differ_in_tp():
+    # Producer TP 2: rank 0 holds KV head 0, rank 1 head 1; the consumer (TP 1) holds both.
+    sends = [ranked("send", "p", {"0": {"0:h0": "a0", "1:h0": "b0"}}, 0, 2),
+             ranked("send", "p", {"0": {"0:h1": "a1", "1:h1": "b1"}}, 1, 2)]
+    whole = {"0:h0": "a0", "0:h1": "a1", "1:h0": "b0", "1:h1": "b1"}
+
+    def judged(loaded, sends=sends):
+        [t] = truth.judge_loads(sends, [ranked("load", "c", {"0": loaded}, 0, 1, "p")], set())
+        return t.truth, t.positions
+
+    assert judged(whole) == ("clean", {})
+    assert judged({**whole, "1:h1": "X"}) == ("victim", {"0": [1]})  # a head only the producer's rank 1 held
+    assert judged(whole, sends[:1]) == ("unknown", {})  # rank 1's digests missing: head 1 not judged
+
+
+def test_a_consumers_ranks_are_merged_and_a_replicated_head_counts_on_every_rank():
+    # Consumer TP 2 with one KV head: both ranks hold it.
+    sends = [ranked("send", "p", {"0": {"0:h0": "a"}}, 0, 1)]
+    loads = [ranked("load", "c", {"0": {"0:h0": "a"}}, 0, 2, "p"), ranked("load", "c", {"0": {"0:h0": "X"}}, 1, 2, "p")]
+    for order in (loads, loads[::-1]):  # the bad copy first or last in the witness file
+        [t] = truth.judge_loads(sends, order, set())
+        assert (t.truth, t.positions) == ("victim", {"0": [0]})
+    # One load per occurrence: a request loaded twice (each on both ranks) is two loads.
+    twice = loads[:1] + [ranked("load", "c", {"0": {"0:h0": "a"}}, 1, 2, "p")]
+    assert [x.truth for x in truth.judge_loads(sends, twice + twice, set())] == ["clean", "clean"]
+    # A failed load's lines, one per rank, are one failed load.
+    failed = [ranked("load_failed", "f", {}, r, 2, "p") for r in (0, 1)]
+    assert [x.truth for x in truth.judge_loads(sends, failed, set())] == ["load_failed"]
+
+
+def test_mamba_state_shards_compare_only_at_equal_tp_sizes():
+    sends = [ranked("send", "p", {"0": {"0:tp2.0": "s0"}, "1": {"0:h0": "a"}}, 0, 2),
+             ranked("send", "p", {"0": {"0:tp2.1": "s1"}, "1": {"0:h1": "b"}}, 1, 2)]
+    tp1 = ranked("load", "c", {"0": {"0:tp1.0": "whole"}, "1": {"0:h0": "a", "0:h1": "b"}}, 0, 1, "p")
+    [t] = truth.judge_loads(sends, [tp1], set())
+    assert (t.truth, t.positions) == ("clean", {})  # the state is not judged, the attention KV is
+    tp2 = [ranked("load", "c", {"0": {"0:tp2.0": "s0"}, "1": {"0:h0": "a"}}, 0, 2, "p"),
+           ranked("load", "c", {"0": {"0:tp2.1": "X"}, "1": {"0:h1": "b"}}, 1, 2, "p")]
+    [t] = truth.judge_loads(sends, tp2, set())
+    assert (t.truth, t.positions) == ("victim", {"0": [0]})
+    # At equal TP sizes a rank's state shard the producer did not digest leaves the load unknown.
+    [t] = truth.judge_loads(sends[:1], [tp2[0], {**tp2[1], "digests": {"0": {"0:tp2.1": "s1"}}}], set())
+    assert t.truth == "unknown"
+
+
+def test_a_tp_2_producer(tmp_path):
+    args = soak.parse_args(["--producer-tp", "2", "--out", str(tmp_path)])
+    specs = soak.server_specs(soak.soak_setup(args, tmp_path / "model"), args, tmp_path)
+    tp = {side: spec.argv[spec.argv.index("--tensor-parallel-size") + 1] for side, spec in specs.items()}
+    assert tp == {"producer": "2", "consumer": "1"}
+    assert soak.parse_args(["--out", str(tmp_path)]).producer_tp == 1
+    # The cost baseline is the same stack, checksums off.
+    off = soak.cost_setup(soak.soak_setup(args, tmp_path / "model"))
+    assert (off.producer_tp, off.checksums, off.mode) == (2, True, "pull")

@@ -20,7 +20,7 @@ from pd_harness import make_side, prefill, prompt_of, run_local
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from vllm_kvchecksum import fault_connector as fc
-from vllm_kvchecksum.kv_witness import block_digests, differing_positions
+from vllm_kvchecksum.kv_witness import differing_positions, head_digests, key_position, state_block_digests
 
 SENT = (3, 5, 7, 9, 11)
 COPY = (13, 15, 17, 19, 21)
@@ -47,7 +47,8 @@ def test_a_loads_digests_differ_from_its_senders_exactly_where_its_bytes_do(faul
     witness(conn, sends={"p": fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT)})})
     finish(conn)
     [sent] = records(tmp_path, "send")
-    assert sent["request_id"] == "p" and sorted(sent["digests"]["0"]) == ["0", "1", "2", "3", "4"]
+    # One digest per block position and global KV head.
+    assert sent["request_id"] == "p" and sorted(sent["digests"]["0"]) == [f"{p}:h{h}" for p in range(5) for h in range(2)]
     # The transfer: a faithful copy of the sent blocks (positions 1.. after a
     # one-block local hit), then the fault, if any, on the load.
     copy_blocks(caches, SENT, COPY)
@@ -55,7 +56,7 @@ def test_a_loads_digests_differ_from_its_senders_exactly_where_its_bytes_do(faul
     witness(conn, loads={"c": load}, plans={"c": plan_of(fault, first_position=1, block_ids=COPY[1:])} if fault else None)
     finish(conn, finished={"c"})
     [loaded] = records(tmp_path, "load")
-    assert loaded["remote_request_id"] == "p" and sorted(loaded["digests"]["0"]) == ["1", "2", "3", "4"]
+    assert loaded["remote_request_id"] == "p" and {key_position(k) for k in loaded["digests"]["0"]} == {1, 2, 3, 4}
     differ = differing_positions(sent["digests"]["0"], loaded["digests"]["0"])
     injected = [r for r in read_records(tmp_path / "injections.jsonl")] if fault else []
     if fault in (None, "change_tail"):
@@ -67,13 +68,14 @@ def test_a_loads_digests_differ_from_its_senders_exactly_where_its_bytes_do(faul
 
 def test_digests_cover_only_the_requests_token_slots(worker):
     _, caches = worker()
-    before = block_digests(caches, SENT, 0, NUM_TOKENS, BLOCK)
+    heads = dict.fromkeys(caches, 0)
+    before = head_digests(caches, heads, SENT, 0, NUM_TOKENS, BLOCK)
     name = next(iter(caches))
     caches[name][SENT[-1], :, BLOCK - 1].view(torch.uint8).bitwise_xor_(0xFF)  # past token NUM_TOKENS
-    assert block_digests(caches, SENT, 0, NUM_TOKENS, BLOCK) == before
+    assert head_digests(caches, heads, SENT, 0, NUM_TOKENS, BLOCK) == before
     caches[name][SENT[-1], :, 2].view(torch.uint8).bitwise_xor_(0xFF)  # the last token's slot
-    after = block_digests(caches, SENT, 0, NUM_TOKENS, BLOCK)
-    assert [p for p in before if before[p] != after[p]] == [4]
+    after = head_digests(caches, heads, SENT, 0, NUM_TOKENS, BLOCK)
+    assert sorted(k for k in before if before[k] != after[k]) == ["4:h0", "4:h1"]
 
 
 def test_failed_and_ended_loads_leave_no_load_digest(worker, tmp_path):
@@ -86,12 +88,41 @@ def test_failed_and_ended_loads_leave_no_load_digest(worker, tmp_path):
     assert set(conn._witness_loads) == {"late"}
 
 
-def test_only_tp_rank_zero_of_stage_zero_digests(worker, monkeypatch, tmp_path):
+def test_every_tp_rank_of_stage_zero_digests_its_own_heads(worker, monkeypatch, tmp_path):
+    # TP 2, this worker rank 1: its two local KV heads are the model's heads 2 and 3.
     monkeypatch.setattr(fc, "_parallel_ranks", lambda: (1, 0))
+    monkeypatch.setattr(fc, "_tp_size", lambda: 2)
+    monkeypatch.setattr("vllm_kvchecksum.runner.uniform_model_kv_heads", lambda config: 4)
     conn, _ = worker({"witness_path": str(tmp_path / "witness.jsonl")})
+    assert not conn.injects and conn.witnesses
+    witness(conn, sends={"p": fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT)})})
+    finish(conn)
+    [sent] = records(tmp_path, "send")
+    assert sent["tp_rank"] == 1 and sorted(sent["digests"]["0"]) == [f"{p}:h{h}" for p in range(5) for h in (2, 3)]
+
+
+def test_a_later_pipeline_stage_digests_nothing(worker, monkeypatch, tmp_path):
+    monkeypatch.setattr(fc, "_parallel_ranks", lambda: (0, 1))
+    conn, _ = worker({"witness_path": str(tmp_path / "witness.jsonl")})
+    assert not conn.witnesses
     witness(conn, sends={"p": fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT)})})
     finish(conn)
     assert not (tmp_path / "witness.jsonl").exists()
+
+
+def test_a_heads_digest_is_that_heads_bytes_in_every_layer(worker):
+    _, caches = worker()
+    heads = dict.fromkeys(caches, 0)
+    before = head_digests(caches, heads, SENT, 0, NUM_TOKENS, BLOCK)
+    for name, position in ((sorted(caches)[-1], 2), (sorted(caches)[0], 3)):  # the last layer, then the first
+        caches[name][SENT[position], 1, 5].view(torch.uint8).bitwise_xor_(0x01)  # head 1 of that block position
+        after = head_digests(caches, heads, SENT, 0, NUM_TOKENS, BLOCK)
+        assert [k for k in before if before[k] != after[k]] == [f"{position}:h1"]
+        caches[name][SENT[position], 1, 5].view(torch.uint8).bitwise_xor_(0x01)
+    # Positions from first_position on, past 9 too.
+    assert sorted(head_digests(caches, heads, SENT, 9, 10 * BLOCK + 3, BLOCK))[:2] == ["10:h0", "10:h1"]
+    # Numbered from each layer's first global head.
+    assert sorted(head_digests(caches, dict.fromkeys(caches, 6), SENT, 0, NUM_TOKENS, BLOCK))[:2] == ["0:h6", "0:h7"]
 
 
 def test_every_async_load_and_send_is_planned_by_the_checksum_schedulers_blocks(sides, tmp_path):
@@ -380,10 +411,16 @@ def test_a_mamba_states_digest_covers_the_transferred_states_and_nothing_else(hy
     finish(conn, finished={"d"})
     [s] = records(tmp_path, "send")
     clean, bad = records(tmp_path, "load")
-    assert sorted(s["digests"]) == ["0", "1"] and list(s["digests"]["1"]) == ["0"]
+    assert sorted(s["digests"]) == ["0", "1"] and list(s["digests"]["1"]) == ["0:tp1.0"]
     assert differing_positions(s["digests"]["1"], clean["digests"]["1"]) == []
     assert differing_positions(s["digests"]["1"], bad["digests"]["1"]) == [0]
     assert differing_positions(s["digests"]["0"], bad["digests"]["0"]) == []
+
+
+def test_state_positions_start_at_the_plans_first_position(hybrid_worker):
+    conn, caches, mamba_layers, covered = hybrid_worker
+    pages = {name: (caches[name], covered) for name in mamba_layers}
+    assert list(state_block_digests(pages, (6, 7), 11)) == [11, 12]
 
 
 def test_a_state_group_the_checksums_skip_is_not_digested(hybrid_worker, monkeypatch, tmp_path):
@@ -393,3 +430,9 @@ def test_a_state_group_the_checksums_skip_is_not_digested(hybrid_worker, monkeyp
     finish(conn)
     [s] = records(tmp_path, "send")
     assert sorted(s["digests"]) == ["0"]
+
+
+def test_only_keys_both_sides_digested_are_compared():
+    sent = {"0:h0": "a", "1:h0": "b"}
+    assert differing_positions(sent, {"0:h0": "a", "2:h0": "z"}) == []  # position 2: not the producer's
+    assert differing_positions(sent, {"1:h0": ["b", "X"], "0:h0": "a"}) == [1]
