@@ -436,3 +436,30 @@ def test_only_keys_both_sides_digested_are_compared():
     sent = {"0:h0": "a", "1:h0": "b"}
     assert differing_positions(sent, {"0:h0": "a", "2:h0": "z"}) == []  # position 2: not the producer's
     assert differing_positions(sent, {"1:h0": ["b", "X"], "0:h0": "a"}) == [1]
+
+
+def test_a_keys_position_is_all_its_digits():
+    assert key_position("12:h3") == 12 and key_position(7) == 7
+    assert differing_positions({"12:h0": "a", "0:tp2.1": "s"}, {"12:h0": "b", "0:tp2.1": "s"}) == [12]
+
+
+def test_a_state_shard_is_named_by_tp_size_and_rank(hybrid_worker, monkeypatch, tmp_path):
+    conn, caches, mamba_layers, covered = hybrid_worker
+    monkeypatch.setattr(fc, "_parallel_ranks", lambda: (1, 0))
+    monkeypatch.setattr(fc, "_tp_size", lambda: 2)
+    conn.register_kv_caches(caches)
+    assert conn.witnesses and set(conn._state_layers) == {1}
+    witness(conn, sends={"p": fc.WitnessPlan(NUM_TOKENS, {1: (0, (6,))})})
+    finish(conn)
+    [s] = records(tmp_path, "send")
+    assert list(s["digests"]["1"]) == ["0:tp2.1"]
+
+
+def test_groups_the_checksums_skip_are_not_witnessed(monkeypatch):
+    from types import SimpleNamespace
+
+    cache = SimpleNamespace(name="model.layers.0.self_attn.attn", first_head=0)
+    plans = {0: SimpleNamespace(skip_reason="a reason", caches=[cache], state=False),
+             1: SimpleNamespace(skip_reason=None, caches=[cache], state=False)}
+    monkeypatch.setattr(fc, "_worker_plans", lambda *args: plans)
+    assert fc.witnessed_layers(None, None, {}, 0, 1) == ({1: {cache.name: 0}}, {})
