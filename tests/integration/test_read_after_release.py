@@ -65,7 +65,6 @@ def pull_worker():
     w._reqs_to_send, w._reqs_to_process = {}, set()
     w.consumer_notification_counts_by_req = defaultdict(int)
     w.expected_consumer_notifications_by_req = {}
-    w._released_on_expiry, w._read_after_release = {}, set()
     w._lease_extension = 30
     # What get_transfer_results reads besides the leases and notifications.
     w._recving_transfers, w._recving_metadata, w._recv_failures = defaultdict(list), {}, set()
@@ -134,7 +133,7 @@ def test_a_repeated_notification_of_a_completed_read_is_no_read_after_release(ca
     read_done(w, "r")
     with capture_logger(caplog, NIXL_LOGGER):
         assert w._get_new_notifs() == set()
-    assert w._read_after_release == set()
+    assert w.__dict__.get("_read_after_release_reqs", set()) == set()
     assert "Potentially invalid KV blocks for unrecognized request r" in caplog.text
     assert "after their lease expired" not in caplog.text
 
@@ -148,8 +147,8 @@ def test_each_late_read_of_a_request_is_reported_once():
     read_done(w, "r", consumers=2)
     read_done(w, "r", consumers=2)
     assert w._get_new_notifs() == set()
-    assert w._read_after_release == {"r"}
-    assert "r" not in w._released_on_expiry
+    assert w.__dict__.get("_read_after_release_reqs", set()) == {"r"}
+    assert "r" not in w._released_on_expiry()
 
 
 def test_a_read_after_one_of_two_consumers_finished_in_time_is_reported():
@@ -161,7 +160,7 @@ def test_a_read_after_one_of_two_consumers_finished_in_time_is_reported():
     assert expire(w) == {"r"}
     read_done(w, "r", consumers=2)
     w._get_new_notifs()
-    assert w._read_after_release == {"r"}
+    assert w.__dict__.get("_read_after_release_reqs", set()) == {"r"}
 
 
 def test_the_released_requests_kept_are_bounded_by_the_workers_own_count(monkeypatch):
@@ -172,12 +171,12 @@ def test_the_released_requests_kept_are_bounded_by_the_workers_own_count(monkeyp
     for i in range(5):
         send(w, f"r{i}", expires_in=-1)
     expire(w)
-    assert list(w._released_on_expiry) == ["r2", "r3", "r4"]
+    assert list(w._released_on_expiry()) == ["r2", "r3", "r4"]
     for i in range(5):
         read_done(w, f"r{i}")
     w._get_new_notifs()
     # The oldest are forgotten: their late reads are no longer told apart.
-    assert w._read_after_release == {"r2", "r3", "r4"}
+    assert w.__dict__.get("_read_after_release_reqs", set()) == {"r2", "r3", "r4"}
 
 
 def test_a_multiconnector_passes_on_every_childs_late_reads():
