@@ -66,8 +66,8 @@ class LoadTruth:
 
 def _merged(lines: Iterable[dict], side: str) -> dict[tuple[str, int], dict]:
     """One producer send or consumer load per (request id, occurrence), merged over the TP ranks that
-    digested it (each writes its own line, of its own heads): group -> key -> [digests], in rank order.
-    The k-th line of a request on each rank is its k-th occurrence."""
+    digested it (each writes its own line, of its own heads): group -> key -> [digests], in the order
+    the witness file lists them. The k-th line of a request on each rank is its k-th occurrence."""
     seen: Counter = Counter()
     out: dict[tuple[str, int], dict] = {}
     for line in lines:
