@@ -1,0 +1,260 @@
+"""A push consumer that registers after the producer's lease ran out fails its load; it never waits forever.
+
+In NIXL push mode the producer keeps a finished request's blocks for a
+lease and WRITEs them when the consumer's registration (PUSH_REG) arrives.
+Under pressure a consumer may allocate its blocks, and so register, only
+after the lease ran out and the producer freed the blocks. vLLM v0.32 kept
+such a registration forever, unanswered, and the consumer held its blocks
+and its request waiting for a WRITE that never came (found by `make soak
+--mode push` with a 5 s lease: requests never answered). The patched
+producer answers a late registration with PUSH_GONE, in place of the WRITE's
+completion notif; the consumer fails the load through the connector's
+load-failure path, and the scheduler applies kv_load_failure_policy.
+
+The push workers are built without __init__ (as vLLM's own NIXL push tests
+do: a full worker needs a running engine's handshake); the methods under
+test are the real ones, wired producer to consumer by a stand-in for the
+NIXL agents' notification delivery (send_notif puts the bytes where the
+consumer's writer thread forwards them). The consumer's side is the real
+vLLM Scheduler with NixlPushConnector and the real checksum workers
+(pd_harness).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+from unittest.mock import MagicMock
+
+import msgspec
+import pytest
+from pd_harness import CONNECTORS, make_request, make_side, prefill, prompt_of, stats
+from vllm.v1.request import RequestStatus
+
+nixl_metadata = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata")
+pytestmark = pytest.mark.skipif(not hasattr(nixl_metadata, "PUSH_GONE_NOTIF_PREFIX"),
+                                reason="the series' prefixes before the push lease-expiry patch")
+
+PROMPT = 77
+
+
+def push_worker(engine_id: str):
+    """A NixlPushConnectorWorker without __init__: the state its lease,
+    registration and notification paths read."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    w = object.__new__(NixlPushConnectorWorker)
+    w.engine_id, w.world_size, w.tp_rank, w.pp_size = engine_id, 1, 0, 1
+    w.xfer_stats = NixlKVConnectorStats()
+    w.nixl_wrapper = MagicMock()
+    w.transfer_topo = MagicMock()
+    w.transfer_topo.tp_ratio.return_value = 1
+    w.use_mla, w._has_mamba, w._is_hma_required, w.use_host_buffer = False, False, False, False
+    w._reqs_to_send, w._reqs_to_process = {}, set()
+    w.consumer_notification_counts_by_req = defaultdict(int)
+    w.expected_consumer_notifications_by_req = {}
+    w._recving_metadata, w._recving_transfers, w._recv_failures = {}, defaultdict(list), set()
+    w._failed_recv_reqs, w._invalid_block_ids = queue.Queue(), queue.Queue()
+    w._pending_recv_notifs, w._replicated_pcp_done_sending = {}, set()
+    w._sending_transfers, w._send_failures = defaultdict(list), set()
+    w._sending_transfers_lock, w._handshake_lock = threading.Lock(), threading.RLock()
+    w._push_finished_blocks, w._push_kv_checksums, w._received_kv_checksums = {}, {}, {}
+    w._pending_d_registrations = {}
+    w._pending_completion_notifs, w._evict_finished_inbox = queue.Queue(), queue.Queue()
+    w._push_writer_wake = threading.Event()
+    w._engine_last_active, w._remote_agents, w.tp_mappings = {}, {}, {}
+    w._physical_blocks_per_logical_kv_block = 1
+    w._ensure_handshake = MagicMock(return_value=None)  # the handshake is done
+    return w
+
+
+def registration(request_id: str, block_ids) -> bytes:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
+
+    return PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode({
+        "request_id": request_id, "decode_engine_id": "consumer", "decode_host": "127.0.0.1",
+        "decode_port": 5602, "decode_tp_size": 1, "local_block_ids": block_ids,
+        "remote_engine_id": "producer", "remote_host": "127.0.0.1", "remote_port": 5601,
+        "remote_tp_size": 1})
+
+
+def wired_pair():
+    """A producer and a consumer push worker; what the producer sends to the
+    consumer's agent lands in the consumer's forwarded-notif queue."""
+    p, d = push_worker("producer"), push_worker("consumer")
+    p._remote_agents = {"consumer": {(0, 0): "consumer-agent"}}
+    p.tp_mappings = {"consumer": SimpleNamespace(all_source_ranks=[0])}
+    p.nixl_wrapper.send_notif.side_effect = lambda agent, notif_msg: d._pending_completion_notifs.put(notif_msg)
+    p._xfer_blocks_for_req = MagicMock()  # the WRITEs (NIXL transfers), recorded
+    return p, d
+
+
+def expire(p, request_id: str, block_ids=None) -> None:
+    """The producer finished `request_id` (its blocks wait for a registration,
+    unless None: a push started already); then its lease ran out."""
+    if block_ids is not None:
+        p._push_finished_blocks[request_id] = block_ids
+    p._reqs_to_send[request_id] = time.perf_counter() - 1
+    p._reqs_to_process.add(request_id)
+    assert request_id in p.get_transfer_results().finished_sending
+
+
+@pytest.mark.parametrize("drained", [True, False], ids=["eviction-drained", "eviction-pending"])
+def test_a_late_registration_fails_the_load_instead_of_waiting(drained):
+    # Each leg's engine adds its own random suffix to the client's request id.
+    producer_id, consumer_id = "req-1-0a1b2c3d", "req-1-9f8e7d6c"
+    p, d = wired_pair()
+    expire(p, producer_id, ([3, 4],))
+    if drained:
+        p._drain_evictions()
+    d._recving_metadata[consumer_id] = SimpleNamespace(pp_size=1, local_block_ids=([7, 8],))
+
+    p._handle_push_reg_notif(registration(consumer_id, ([7, 8],)))
+    # Every consumer rank registers with every producer rank: one answer.
+    p._handle_push_reg_notif(registration(consumer_id, ([7, 8],)))
+    assert p.nixl_wrapper.send_notif.call_count == 1
+    results = d.get_transfer_results()
+
+    assert results.failed_recving == {consumer_id}
+    assert consumer_id in results.finished_recving
+    # No WRITE: the producer's blocks hold other requests' KV by now.
+    p._xfer_blocks_for_req.assert_not_called()
+    assert d._invalid_block_ids.get_nowait() == {7, 8}
+    assert p._pending_d_registrations == {}
+
+
+def test_a_registration_in_time_is_written_not_answered_gone():
+    p, d = wired_pair()
+    p._push_finished_blocks["req-2"] = ([3, 4],)
+    p._reqs_to_send["req-2"] = time.perf_counter() + 60
+    p._reqs_to_process.add("req-2")
+
+    p._handle_push_reg_notif(registration("req-2", ([7, 8],)))
+
+    p._xfer_blocks_for_req.assert_called_once()
+    assert d._pending_completion_notifs.empty()
+
+
+def test_a_request_written_before_its_lease_ran_out_is_not_answered_gone():
+    """A WRITE still in flight when the lease runs out carries its own
+    completion notif; a late duplicate registration must not add a "gone"
+    that the consumer could count first and fail a load that was written."""
+    p, d = wired_pair()
+    p._push_finished_blocks["req-7"] = ([3, 4],)
+    p._handle_push_reg_notif(registration("req-7", ([7, 8],)))
+    p._xfer_blocks_for_req.assert_called_once()
+    expire(p, "req-7")
+    p._drain_evictions()
+
+    p._handle_push_reg_notif(registration("req-7", ([7, 8],)))
+
+    assert d._pending_completion_notifs.empty()
+    assert p._push_gone() == {}
+
+
+def test_producer_tp2_one_rank_wrote_one_lost_the_kv_fails_when_both_answered():
+    """A consumer waits for one notif per writing producer rank; a load one
+    rank lost is incomplete whatever the other wrote, in either order."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_GONE_NOTIF_PREFIX
+
+    for first, second in [(b"gone", b"wrote"), (b"wrote", b"gone")]:
+        d = push_worker("consumer")
+        d._recving_metadata["req-3"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+        notif = {b"gone": PUSH_GONE_NOTIF_PREFIX + b"req-3:2", b"wrote": b"req-3:2"}
+        d._pending_completion_notifs.put(notif[first])
+        assert d.get_transfer_results().finished_recving == set()
+        d._pending_completion_notifs.put(notif[second])
+        assert d.get_transfer_results().failed_recving == {"req-3"}
+        assert d._push_gone_recvs() == set()
+
+
+def test_every_consumer_rank_the_producer_writes_hears_gone():
+    """Producer TP 1 into consumer TP 2: the producer writes both ranks, so both
+    must hear the answer, or one of them waits forever."""
+    p, d0 = wired_pair()
+    d1 = push_worker("consumer")
+    p._remote_agents = {"consumer": {(0, 0): "d0", (0, 1): "d1"}}
+    p.tp_mappings = {"consumer": SimpleNamespace(all_source_ranks=[0, 1])}
+    ranks = {"d0": d0, "d1": d1}
+    p.nixl_wrapper.send_notif.side_effect = lambda agent, notif_msg: ranks[agent]._pending_completion_notifs.put(
+        notif_msg)
+    expire(p, "req-4", ([3],))
+    for d in (d0, d1):
+        d._recving_metadata["req-4"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+
+    p._handle_push_reg_notif(registration("req-4", ([7],)))
+
+    assert [d.get_transfer_results().failed_recving for d in (d0, d1)] == [{"req-4"}, {"req-4"}]
+
+
+@pytest.mark.parametrize("payload", [b"req-5", b"req-5:", b"req-5:two", b"\xff:1x"])
+def test_a_malformed_gone_notif_from_another_host_is_dropped(payload):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_GONE_NOTIF_PREFIX
+
+    d = push_worker("consumer")
+    d._recving_metadata["req-5"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    d._pending_completion_notifs.put(PUSH_GONE_NOTIF_PREFIX + payload)
+
+    results = d.get_transfer_results()
+
+    assert results.finished_recving == set() and results.failed_recving == set()
+    assert d.xfer_stats.data["num_failed_notifications"] == [1]
+
+
+def test_the_producer_remembers_a_bounded_number_of_released_requests(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import push_worker as push_module
+
+    monkeypatch.setattr(push_module, "_MAX_RELEASED_ON_EXPIRY", 2)
+    p, _ = wired_pair()
+    for i in range(3):
+        expire(p, f"req-{i}", ([i],))
+    p._drain_evictions()
+
+    assert list(p._push_gone()) == ["req-1", "req-2"]
+
+
+def test_a_gone_answer_is_dropped_with_the_load_it_was_for():
+    """A load that ends (its request aborted) before every producer rank
+    answered leaves nothing behind."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_GONE_NOTIF_PREFIX
+
+    d = push_worker("consumer")
+    d._recving_metadata["req-6"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    d._pending_completion_notifs.put(PUSH_GONE_NOTIF_PREFIX + b"req-6:2")
+    d.get_transfer_results()
+    assert d._push_gone_recvs() == {"req-6"}
+    del d._recving_metadata["req-6"]
+
+    assert d._push_gone_recvs() == set()
+
+
+def test_the_consumer_scheduler_ends_the_load_by_its_failure_policy():
+    """The consumer's real scheduler gets the failed load from the push
+    worker's own transfer results: vLLM's load-failure path ends the request
+    (policy "fail"), it is not a checksum verdict, and nothing stays held."""
+    P = make_side("kv_producer", connector=CONNECTORS["push"])
+    C = make_side("kv_consumer", connector=CONNECTORS["push"], fail_closed=True, policy="fail")
+    preq, params = prefill(P, prompt_of(PROMPT))
+    params.pop("kv_checksums", None)
+    req = make_request(preq.prompt_token_ids, params=dict(params))
+    C.scheduler.add_request(req)
+    C.step()
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    # The consumer's request and the producer's share the client's request id
+    # (the proxy gives both legs the same): a registration names the former.
+    p, d = wired_pair()
+    expire(p, req.request_id, ([3, 4],))
+    block_ids = C.scheduler.kv_cache_manager.get_block_ids(req.request_id)
+    d._recving_metadata[req.request_id] = SimpleNamespace(pp_size=1, local_block_ids=block_ids)
+    p._handle_push_reg_notif(registration(req.request_id, block_ids))
+    results = d.get_transfer_results()
+    C.step(finished_recving=results.finished_recving, failed_recving=results.failed_recving)
+
+    assert req.status is RequestStatus.FINISHED_ERROR
+    assert stats(C) == {}
+    assert not C.scheduler.kv_checksum._recvs
