@@ -1032,13 +1032,18 @@ class KVChecksumFaultConnector(MultiConnector):
 
         Called by the model runner right after get_transfer_results, in the
         same step (some connectors, e.g. Mooncake, report a failed load as
-        finished and name its bad blocks here)."""
+        finished and name its bad blocks here). A load not reported finished
+        yet whose blocks are named is a failed load too: Mooncake's receiver
+        thread queues the bad blocks and the finished load apart, so the
+        blocks may come a step earlier, and vLLM then fails the request on
+        them alone."""
         invalid = super().get_block_ids_with_load_errors()
         witnessed, self._witnessed_now = self._witnessed_now, {}
-        if invalid and witnessed:
+        if invalid and (witnessed or self._witness_loads):
             try:
-                for req_id, plan in sorted(witnessed.items()):
+                for req_id, plan in sorted({**self._witness_loads, **witnessed}.items()):
                     if any(b in invalid for _, ids in plan.groups.values() for b in ids):
+                        self._witness_loads.pop(req_id, None)
                         self._witness_write("load_failed", req_id, plan, {})
             except Exception:
                 logger.exception("KV checksum drill: recording this step's failed loads failed.")

@@ -79,6 +79,11 @@ MAX_BODY_BYTES = 1024 * 1024
 # anything near this bound is not a completion.
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 LEG_TIMEOUT_S = 120.0
+# Seconds an idle pooled connection to a server is kept: below vLLM's
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s), after which its server closes it. Past
+# that, a leg could be sent on a connection the server is closing and fail
+# with "Server disconnected" (aiohttp's default keeps them 15 s).
+KEEPALIVE_S = 2.0
 # Mooncake bootstrap /query: pauses between attempts (doubling up to the
 # second value), each attempt's timeout, and the largest answer read.
 BOOTSTRAP_RETRY_S = (0.25, 1.0)
@@ -297,7 +302,7 @@ class Proxy:
     async def session_ctx(self, app: web.Application):
         # No trust_env: the servers are local, an http_proxy variable must not
         # route the legs elsewhere.
-        self.session = ClientSession(connector=TCPConnector(limit=256),
+        self.session = ClientSession(connector=TCPConnector(limit=256, keepalive_timeout=KEEPALIVE_S),
                                      timeout=ClientTimeout(total=self.leg_timeout))
         lookups = []
         if self.mode == "mooncake":

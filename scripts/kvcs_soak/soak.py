@@ -613,6 +613,11 @@ def judge_rechecks(report: dict, rechecks: dict[str, int], sent: int, died: bool
     report["ok"] = not report["failures"]
 
 
+# What vLLM's MooncakeConnector adds to its abort timeout for the consumer's
+# receive from a producer (zmq.RCVTIMEO in receive_kv_from_single_worker).
+MOONCAKE_RECEIVE_GRACE_S = 60
+
+
 def build_report(args, answers, planned, counts, truths, started, alive, rss, wall, death=None,
                  held=None) -> dict:
     consumer, producer = counts["consumer"], counts["producer"]
@@ -636,6 +641,13 @@ def build_report(args, answers, planned, counts, truths, started, alive, rss, wa
     if death is not None:
         # Requests in flight while the producer was down fail: expected.
         killed_at, healthy_at = death
+        if getattr(args, "mode", "pull") == "mooncake":
+            # Mooncake's consumer waits VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
+            # + 60 s on a request sent to the dead producer before failing it
+            # (its ZMQ receive timeout); until then those loads hold the
+            # consumer's blocks, and requests that came after the restart wait
+            # for blocks past their own leases.
+            healthy_at += args.lease_s + MOONCAKE_RECEIVE_GRACE_S
         down = [a for a in unexpected if a["started_s"] <= healthy_at
                 and a["started_s"] + a["latency_s"] >= killed_at]
         answered["failed_by_the_producers_death"] = len(down)

@@ -198,6 +198,16 @@ def test_only_failures_while_the_producer_was_down_are_excused():
     assert [a["index"] for a in report["unexpected"]] == [3]
     no_death = soak.build_report(args, answers, planned, counts, [], 0, {"producer": True}, rss, 1.0)
     assert [a["index"] for a in no_death["unexpected"]] == [1, 2, 3]
+    # Mooncake: the consumer's receive from the dead producer times out only
+    # after the lease + 60 s, and the requests queued behind it fail too.
+    mooncake = SimpleNamespace(min_clean=0, proxy="project", mode="mooncake", lease_s=5.0)
+    report = soak.build_report(mooncake, answers, planned, counts, [], 0, {"producer": True}, rss, 1.0,
+                               death=(10.0, 20.0))
+    assert report["unexpected"] == []
+    late = answers[:3] + [soak.Answer(3, 500, "Internal server error", False, 1.0, started_s=86.0)]
+    report = soak.build_report(mooncake, late, planned, counts, [], 0, {"producer": True}, rss, 1.0,
+                               death=(10.0, 20.0))
+    assert [a["index"] for a in report["unexpected"]] == [3]
 
 
 def test_the_report_fails_without_preemption_and_with_an_unexplained_error_or_too_few_clean_loads():

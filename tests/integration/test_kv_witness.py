@@ -255,6 +255,22 @@ def test_a_load_whose_blocks_the_connector_names_failed_is_a_failed_load(worker,
     assert len(read_records(tmp_path / "witness.jsonl")) == 3
 
 
+def test_a_load_whose_blocks_are_named_before_it_finishes_is_a_failed_load(worker, tmp_path):
+    """Mooncake's receiver thread queues a failed load's bad blocks and its
+    finished report apart: the blocks can come a step before the load is
+    reported, and vLLM fails the request on the blocks alone."""
+    conn, _ = worker({"witness_path": str(tmp_path / "witness.jsonl")})
+    witness(conn, loads={"bad": fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT)}, remote_request_id="p"),
+                         "pending": fc.WitnessPlan(NUM_TOKENS, {0: (0, COPY)}, remote_request_id="q")})
+    finish(conn)
+    conn.sub_connectors[0].get_block_ids_with_load_errors = lambda: {SENT[2]}
+    assert conn.get_block_ids_with_load_errors() == {SENT[2]}
+    # Reported finished later: not digested as a load that arrived.
+    finish(conn, finished={"bad"})
+    assert [(r["side"], r["request_id"]) for r in read_records(tmp_path / "witness.jsonl")] == [
+        ("load_failed", "bad")]
+
+
 def test_a_load_planned_in_an_earlier_step_is_digested_when_it_finishes(worker, tmp_path):
     """Loads span steps: the plan bound with the step that started the load
     is kept through later steps' metadata until the load finishes."""

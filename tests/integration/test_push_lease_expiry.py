@@ -205,6 +205,20 @@ def test_a_malformed_gone_notif_from_another_host_is_dropped(payload):
     assert d.xfer_stats.data["num_failed_notifications"] == [1]
 
 
+def test_an_idle_producer_keeps_reading_registrations_while_released_kv_awaits_one():
+    """The writer parks until the engine wakes it, and an idle engine never
+    does: while KV released on expiry may still be asked for, it polls."""
+    p, _ = wired_pair()
+    assert p._push_gone_poll_s() is None
+    expire(p, "req-8", ([3],))
+    p._drain_evictions()
+    assert p._push_gone_poll_s() is not None and p._push_gone_poll_s() > 0
+
+    p._handle_push_reg_notif(registration("req-8", ([7],)))
+
+    assert p._push_gone_poll_s() is None
+
+
 def test_the_producer_remembers_a_bounded_number_of_released_requests(monkeypatch):
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import push_worker as push_module
 
