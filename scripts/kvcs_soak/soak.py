@@ -613,6 +613,12 @@ def judge_rechecks(report: dict, rechecks: dict[str, int], sent: int, died: bool
     report["ok"] = not report["failures"]
 
 
+# The most a server's RSS may grow in the second wave, as a share of its RSS
+# after the first: the second wave repeats the first's traffic, so a steady
+# server stays flat (0 to 3 MiB of about 2.4 GiB in the runs of 2026-12-05);
+# allocator noise and warm-up stay far below it, a per-request leak does not.
+RSS_GROWTH_LIMIT = 0.10
+
 # What vLLM's MooncakeConnector adds to its abort timeout for the consumer's
 # receive from a producer (zmq.RCVTIMEO in receive_kv_from_single_worker).
 MOONCAKE_RECEIVE_GRACE_S = 60
@@ -683,6 +689,11 @@ def build_report(args, answers, planned, counts, truths, started, alive, rss, wa
         failures.append(f"only {det['clean']} clean loads (at least {args.min_clean} needed)")
     if not consumer.get("preemptions") and not producer.get("preemptions"):
         failures.append("no preemption on either side: the KV caches were not under pressure (--blocks)")
+    grown = {side: round(rss["wave2"][side] - rss["wave1"][side]) for side in rss["wave1"]
+             if rss["wave2"][side] - rss["wave1"][side] > RSS_GROWTH_LIMIT * rss["wave1"][side]}
+    if grown:
+        failures.append(f"RSS grew in the second wave, which repeats the first, by more than "
+                        f"{RSS_GROWTH_LIMIT:.0%} (MiB): {grown}; a leak, ours or vLLM's")
     leaks = {side: {g: v for g, v in gauges.items() if v != 0} for side, gauges in (held or {}).items()}
     if any(leaks.values()):
         failures.append(f"checksum state still held after the traffic stopped (a leak; None: not exported): "

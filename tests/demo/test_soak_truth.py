@@ -444,3 +444,22 @@ def test_a_tp_2_producer(tmp_path):
     # The cost baseline is the same stack, checksums off.
     off = soak.cost_setup(soak.soak_setup(args, tmp_path / "model"))
     assert (off.producer_tp, off.checksums, off.mode) == (2, True, "pull")
+
+
+def test_rss_growing_in_the_second_wave_beyond_the_limit_is_a_leak():
+    planned = soak.plan_traffic(1, seed=1)
+    counts = {"consumer": {"preemptions": 1}, "producer": {}}
+    ok = [soak.Answer(0, 200, None, False, 1.0)]
+
+    def report(consumer_wave2, producer_wave2):
+        rss = {"wave1": {"consumer": 2000.0, "producer": 2000.0},
+               "wave2": {"consumer": consumer_wave2, "producer": producer_wave2}}
+        return soak.build_report(SimpleNamespace(min_clean=0, proxy="project"), ok, planned, counts,
+                                 [truth.LoadTruth("cmpl-soak-0-x", "clean")], 0, {"consumer": True}, rss, 1.0)
+
+    limit = 2000.0 * (1 + soak.RSS_GROWTH_LIMIT)
+    assert report(2003.0, 1990.0)["ok"] and report(limit, limit)["ok"]
+    grown = report(2003.0, limit + 1)
+    assert not grown["ok"] and grown["failures"] == [
+        f"RSS grew in the second wave, which repeats the first, by more than 10% (MiB): {{'producer': 201}}; "
+        "a leak, ours or vLLM's"]
