@@ -313,7 +313,9 @@ def test_idle_connections_are_dropped_before_a_vllm_server_closes_them():
             with contextlib.suppress(StopAsyncIteration):
                 await ctx.__anext__()
 
-    assert 0 < asyncio.run(keepalive()) < 5
+    # At most half of vLLM's: the server's idle clock starts when it has
+    # written the answer, the proxy's when it has read it.
+    assert 0 < asyncio.run(keepalive()) <= 5 / 2
 
 
 def test_a_client_that_hangs_up_cancels_its_leg(env, loop):

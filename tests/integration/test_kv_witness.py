@@ -260,15 +260,18 @@ def test_a_load_whose_blocks_are_named_before_it_finishes_is_a_failed_load(worke
     finished report apart: the blocks can come a step before the load is
     reported, and vLLM fails the request on the blocks alone."""
     conn, _ = worker({"witness_path": str(tmp_path / "witness.jsonl")})
-    witness(conn, loads={"bad": fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT)}, remote_request_id="p"),
+    # The bad block is the first of the second group, whose load starts at
+    # the request's third block (the first two were a local prefix hit).
+    witness(conn, loads={"bad": fc.WitnessPlan(NUM_TOKENS, {0: (0, (23,)), 1: (2, SENT[:2])}, remote_request_id="p"),
                          "pending": fc.WitnessPlan(NUM_TOKENS, {0: (0, COPY)}, remote_request_id="q")})
     finish(conn)
-    conn.sub_connectors[0].get_block_ids_with_load_errors = lambda: {SENT[2]}
-    assert conn.get_block_ids_with_load_errors() == {SENT[2]}
-    # Reported finished later: not digested as a load that arrived.
-    finish(conn, finished={"bad"})
+    conn.sub_connectors[0].get_block_ids_with_load_errors = lambda: {SENT[0]}
+    assert conn.get_block_ids_with_load_errors() == {SENT[0]}
+    # Reported finished later: not digested as a load that arrived; the
+    # other load in flight is, when it finishes.
+    finish(conn, finished={"bad", "pending"})
     assert [(r["side"], r["request_id"]) for r in read_records(tmp_path / "witness.jsonl")] == [
-        ("load_failed", "bad")]
+        ("load_failed", "bad"), ("load", "pending")]
 
 
 def test_a_load_planned_in_an_earlier_step_is_digested_when_it_finishes(worker, tmp_path):

@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
@@ -69,6 +70,11 @@ def push_worker(engine_id: str):
     w._engine_last_active, w._remote_agents, w.tp_mappings = {}, {}, {}
     w._physical_blocks_per_logical_kv_block = 1
     w._ensure_handshake = MagicMock(return_value=None)  # the handshake is done
+    w._log_failure = MagicMock()
+    # The writer thread's inboxes and events (test_an_idle_producer_... runs it).
+    w._reg_send_inbox, w._deferred_push_inbox = queue.Queue(), queue.Queue()
+    w._finished_blocks_inbox = queue.Queue()
+    w._push_writer_stop = threading.Event()
     return w
 
 
@@ -121,6 +127,7 @@ def test_a_late_registration_fails_the_load_instead_of_waiting(drained):
 
     assert results.failed_recving == {consumer_id}
     assert consumer_id in results.finished_recving
+    assert d.xfer_stats.data["num_failed_transfers"] == [1]
     # No WRITE: the producer's blocks hold other requests' KV by now.
     p._xfer_blocks_for_req.assert_not_called()
     assert d._invalid_block_ids.get_nowait() == {7, 8}
@@ -172,6 +179,100 @@ def test_producer_tp2_one_rank_wrote_one_lost_the_kv_fails_when_both_answered():
         assert d._push_gone_recvs() == set()
 
 
+def test_a_gone_notif_names_a_request_whose_id_holds_colons():
+    """The TP size is what follows the last colon, as in a completion notif."""
+    p, d = wired_pair()
+    expire(p, "tenant:a:req-9", ([3],))
+    d._recving_metadata["tenant:a:req-9"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+
+    p._handle_push_reg_notif(registration("tenant:a:req-9", ([7],)))
+
+    assert d.get_transfer_results().failed_recving == {"tenant:a:req-9"}
+
+
+def test_the_answer_waits_for_the_handshake_with_the_consumer():
+    """A producer that has not met this consumer yet (the lease ran out
+    before any registration) answers once the handshake is done, as a write
+    would go."""
+    p, d = wired_pair()
+    handshake = Future()
+    p._ensure_handshake.return_value = handshake
+    expire(p, "req-10", ([3],))
+    p._drain_evictions()
+    d._recving_metadata["req-10"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+
+    p._handle_push_reg_notif(registration("req-10", ([7],)))
+    assert d._pending_completion_notifs.empty()
+    p._ensure_handshake.return_value = None
+    handshake.set_result(({(0, 0): "consumer-agent"}, 0.0))
+    request_id, blocks, reg = p._deferred_push_inbox.get_nowait()  # the writer's step 2
+    p._do_start_push_kv(request_id, blocks, reg)
+
+    assert d.get_transfer_results().failed_recving == {"req-10"}
+
+
+def test_producer_tp2_a_rank_that_lost_the_kv_waits_for_the_rank_that_writes():
+    """The notif carries the producer's TP size (2), not the rank: the
+    consumer must not fail the load while the other rank's WRITE is in flight."""
+    p, d = wired_pair()
+    p.world_size, p.tp_rank = 2, 0
+    expire(p, "req-11", ([3],))
+    d._recving_metadata["req-11"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+
+    p._handle_push_reg_notif(registration("req-11", ([7],)))
+    assert d.get_transfer_results().failed_recving == set()
+    d._pending_completion_notifs.put(b"req-11:2")  # rank 1's WRITE landed
+
+    assert d.get_transfer_results().failed_recving == {"req-11"}
+
+
+def test_write_ranks_widen_to_every_consumer_rank_only_for_pure_mla():
+    """The ranks answered are the ranks written: MLA's latent is replicated
+    on every consumer rank, so pure MLA writes them all; a hybrid MLA + SSM
+    model writes the ranks of its plan."""
+    p, _ = wired_pair()
+    p.use_mla, p.transfer_topo.tp_ratio.return_value = True, -2
+    p.dst_xfer_side_handles = {"consumer": {0: "h0", 1: "h1"}}
+    assert p._push_write_ranks("consumer") == [0, 1]
+    p._has_mamba = True
+    assert p._push_write_ranks("consumer") == [0]
+
+
+def test_an_idle_producers_writer_answers_without_its_engine_waking_it():
+    """The writer thread, running: nothing sets its wake event (the engine is
+    idle), and the late registration is still read and answered."""
+    p, d = wired_pair()
+    expire(p, "req-12", ([3],))
+    p._drain_evictions()
+    d._recving_metadata["req-12"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    arrivals = [{}, {"consumer-agent": [registration("req-12", ([7],))]}]
+    p.nixl_wrapper.get_new_notifs.side_effect = lambda: arrivals.pop(0) if arrivals else {}
+    p._push_writer_wake.clear()  # set by the expiry's transfer results
+    writer = threading.Thread(target=p._push_writer_loop, daemon=True)
+    writer.start()
+
+    def wait_for(done) -> None:
+        # A liveness bound, not a speed measure: the writer polls every 50 ms.
+        deadline = time.monotonic() + 30
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    try:
+        wait_for(lambda: not d._pending_completion_notifs.empty())
+        # Answered: the writer parks again until the engine hands it work.
+        p._finished_blocks_inbox.put(("req-13", ([5],), None))
+        arrivals.append({"consumer-agent": [registration("req-13", ([9],))]})
+        p._push_writer_wake.set()
+        wait_for(lambda: p._xfer_blocks_for_req.called)
+    finally:
+        p._push_writer_stop.set()
+        p._push_writer_wake.set()
+        writer.join(30)
+
+    assert d.get_transfer_results().failed_recving == {"req-12"}
+    assert p._xfer_blocks_for_req.call_count == 1
+
+
 def test_every_consumer_rank_the_producer_writes_hears_gone():
     """Producer TP 1 into consumer TP 2: the producer writes both ranks, so both
     must hear the answer, or one of them waits forever."""
@@ -180,18 +281,28 @@ def test_every_consumer_rank_the_producer_writes_hears_gone():
     p._remote_agents = {"consumer": {(0, 0): "d0", (0, 1): "d1"}}
     p.tp_mappings = {"consumer": SimpleNamespace(all_source_ranks=[0, 1])}
     ranks = {"d0": d0, "d1": d1}
-    p.nixl_wrapper.send_notif.side_effect = lambda agent, notif_msg: ranks[agent]._pending_completion_notifs.put(
-        notif_msg)
+    tries = []
+
+    def send_notif(agent, notif_msg):
+        tries.append(agent)
+        if len(tries) == 1:
+            raise RuntimeError("UCX: connection reset")  # one rank's answer is lost...
+        ranks[agent]._pending_completion_notifs.put(notif_msg)
+
+    p.nixl_wrapper.send_notif.side_effect = send_notif
     expire(p, "req-4", ([3],))
     for d in (d0, d1):
         d._recving_metadata["req-4"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
 
     p._handle_push_reg_notif(registration("req-4", ([7],)))
 
-    assert [d.get_transfer_results().failed_recving for d in (d0, d1)] == [{"req-4"}, {"req-4"}]
+    # ...the other rank still hears it.
+    assert tries == ["d0", "d1"]
+    assert [d.get_transfer_results().failed_recving for d in (d0, d1)] == [set(), {"req-4"}]
+    assert p.xfer_stats.data["num_failed_notifications"] == [1]
 
 
-@pytest.mark.parametrize("payload", [b"req-5", b"req-5:", b"req-5:two", b"\xff:1x"])
+@pytest.mark.parametrize("payload", [b"req-5", b"req-5:", b"req-5:two", b"\xff:1x", "req-5:\u00b2".encode()])
 def test_a_malformed_gone_notif_from_another_host_is_dropped(payload):
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_GONE_NOTIF_PREFIX
 
