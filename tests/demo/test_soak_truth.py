@@ -466,3 +466,10 @@ def test_rss_growing_in_the_second_wave_beyond_the_limit_is_a_leak():
     assert not grown["ok"] and grown["failures"] == [
         f"RSS grew in the second wave, which repeats the first, by more than 10% (MiB): {{'producer': 201}}; "
         "a leak, ours or vLLM's"]
+
+
+def test_the_producers_death_is_off_by_default_in_push_mode_only():
+    assert soak.parse_args([]).kill_producer and soak.parse_args(["--mode", "mooncake"]).kill_producer
+    assert not soak.parse_args(["--mode", "push"]).kill_producer
+    assert soak.parse_args(["--mode", "push", "--kill-producer"]).kill_producer
+    assert not soak.parse_args(["--ci"]).kill_producer
