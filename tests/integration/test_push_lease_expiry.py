@@ -205,8 +205,7 @@ def test_the_answer_waits_for_the_handshake_with_the_consumer():
     assert d._pending_completion_notifs.empty()
     p._ensure_handshake.return_value = None
     handshake.set_result(({(0, 0): "consumer-agent"}, 0.0))
-    request_id, blocks, reg = p._deferred_push_inbox.get_nowait()  # the writer's step 2
-    p._do_start_push_kv(request_id, blocks, reg)
+    p._drain_deferred_pushes()  # the writer's step 2
 
     assert d.get_transfer_results().failed_recving == {"req-10"}
 
@@ -273,6 +272,92 @@ def test_an_idle_producers_writer_answers_without_its_engine_waking_it():
     assert p._xfer_blocks_for_req.call_count == 1
 
 
+def test_a_retry_reusing_the_client_id_is_written_and_the_late_original_answered_gone():
+    """Registrations match finished blocks by base id (the client's request
+    id; each engine adds a random suffix). A retry reusing the id of a
+    request released unpushed gets its KV; duplicates are told apart by the
+    consumer's full id, so the retry never hears "gone" after its WRITE."""
+    p, d = wired_pair()
+    expire(p, "abc-0000aaaa", ([3],))  # the original: its consumer never registered in time
+    p._drain_evictions()
+    p._push_finished_blocks["abc-3333cccc"] = ([5],)  # the retry, finished on the producer
+
+    p._handle_push_reg_notif(registration("abc-4444dddd", ([9],)))  # the retry's consumer, rank 0
+    p._xfer_blocks_for_req.assert_called_once()
+    p._handle_push_reg_notif(registration("abc-4444dddd", ([9],)))  # ... and rank 1
+    assert d._pending_completion_notifs.empty()
+    d._recving_metadata["abc-1111bbbb"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    p._handle_push_reg_notif(registration("abc-1111bbbb", ([7],)))  # the original's, at last
+
+    assert d.get_transfer_results().failed_recving == {"abc-1111bbbb"}
+    p._xfer_blocks_for_req.assert_called_once()
+
+
+def test_a_retry_registered_before_its_prefill_finished_is_written_once_not_answered_gone():
+    p, d = wired_pair()
+    expire(p, "abc-0000aaaa", ([3],))
+    p._drain_evictions()
+    p._pending_d_registrations["abc-4444dddd"] = msgspec.msgpack.decode(
+        registration("abc-4444dddd", ([9],))[len(b"PUSH_REG:"):])  # rank 0's, kept: no blocks yet
+    p._finished_blocks_inbox.put(("abc-3333cccc", ([5],), None))
+
+    p._drain_finished_blocks()
+    p._handle_push_reg_notif(registration("abc-4444dddd", ([9],)))  # rank 1's
+
+    p._xfer_blocks_for_req.assert_called_once()
+    assert d._pending_completion_notifs.empty()
+
+
+def test_a_lease_that_ran_out_during_the_handshake_is_answered_gone_not_written():
+    p, d = wired_pair()
+    handshake = Future()
+    p._ensure_handshake.return_value = handshake
+    p._push_finished_blocks["req-14"] = ([3],)
+    p._reqs_to_send["req-14"] = time.perf_counter() + 60
+    p._reqs_to_process.add("req-14")
+    d._recving_metadata["req-14"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    p._handle_push_reg_notif(registration("req-14", ([7],)))  # matched; the WRITE waits
+    expire(p, "req-14")  # meanwhile the lease runs out and the engine frees the blocks
+    p._ensure_handshake.return_value = None
+    handshake.set_result(({(0, 0): "consumer-agent"}, 0.0))
+
+    p._drain_deferred_pushes()
+
+    p._xfer_blocks_for_req.assert_not_called()
+    assert d.get_transfer_results().failed_recving == {"req-14"}
+
+
+def test_kv_released_longer_ago_than_the_ttl_is_forgotten(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import push_worker as push_module
+
+    p, d = wired_pair()
+    expire(p, "req-15", ([3],))
+    p._drain_evictions()
+    assert p._push_gone_poll_s() is not None
+    monkeypatch.setattr(push_module, "_PUSH_GONE_TTL_S", -1.0)
+
+    assert p._push_gone_poll_s() is None
+    p._handle_push_reg_notif(registration("req-15", ([7],)))
+    assert d._pending_completion_notifs.empty() and "req-15" in p._pending_d_registrations
+
+
+@pytest.mark.parametrize("field, value", [("decode_port", None), ("decode_engine_id", 7), ("local_block_ids", "x")])
+def test_a_malformed_registration_is_dropped_before_it_touches_any_state(field, value):
+    p, d = wired_pair()
+    expire(p, "req-16", ([3],))
+    p._drain_evictions()
+    bad = msgspec.msgpack.decode(registration("req-16", ([7],))[len(b"PUSH_REG:"):])
+    bad[field] = value
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
+
+    p._handle_push_reg_notif(PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(bad))
+    assert p.xfer_stats.data["num_failed_notifications"] == [1] and d._pending_completion_notifs.empty()
+    d._recving_metadata["req-16"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    p._handle_push_reg_notif(registration("req-16", ([7],)))
+
+    assert d.get_transfer_results().failed_recving == {"req-16"}
+
+
 def test_every_consumer_rank_the_producer_writes_hears_gone():
     """Producer TP 1 into consumer TP 2: the producer writes both ranks, so both
     must hear the answer, or one of them waits forever."""
@@ -302,13 +387,17 @@ def test_every_consumer_rank_the_producer_writes_hears_gone():
     assert p.xfer_stats.data["num_failed_notifications"] == [1]
 
 
-@pytest.mark.parametrize("payload", [b"req-5", b"req-5:", b"req-5:two", b"\xff:1x", "req-5:\u00b2".encode()])
-def test_a_malformed_gone_notif_from_another_host_is_dropped(payload):
+@pytest.mark.parametrize("payload", [b"req-5", b"req-5:", b"req-5:two", b"\xff:1x", "req-5:\u00b2".encode(),
+                                     b":1", b"req-5:" + b"9" * 5000])
+@pytest.mark.parametrize("kind", ["gone", "completion"])
+def test_a_malformed_notif_from_another_host_is_dropped(payload, kind):
+    """Never raised into the engine loop: the PUSH_GONE notif and vLLM's
+    plain completion notif ("request_id:tp_size") alike."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_GONE_NOTIF_PREFIX
 
     d = push_worker("consumer")
     d._recving_metadata["req-5"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
-    d._pending_completion_notifs.put(PUSH_GONE_NOTIF_PREFIX + payload)
+    d._pending_completion_notifs.put((PUSH_GONE_NOTIF_PREFIX if kind == "gone" else b"") + payload)
 
     results = d.get_transfer_results()
 
