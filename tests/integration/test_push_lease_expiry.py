@@ -197,17 +197,17 @@ def test_the_answer_waits_for_the_handshake_with_the_consumer():
     p, d = wired_pair()
     handshake = Future()
     p._ensure_handshake.return_value = handshake
-    expire(p, "req-10", ([3],))
+    expire(p, "req-10-0a1b2c3d", ([3],))
     p._drain_evictions()
-    d._recving_metadata["req-10"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    d._recving_metadata["req-10-9f8e7d6c"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
 
-    p._handle_push_reg_notif(registration("req-10", ([7],)))
+    p._handle_push_reg_notif(registration("req-10-9f8e7d6c", ([7],)))
     assert d._pending_completion_notifs.empty()
     p._ensure_handshake.return_value = None
     handshake.set_result(({(0, 0): "consumer-agent"}, 0.0))
     p._drain_deferred_pushes()  # the writer's step 2
 
-    assert d.get_transfer_results().failed_recving == {"req-10"}
+    assert d.get_transfer_results().failed_recving == {"req-10-9f8e7d6c"}
 
 
 def test_producer_tp2_a_rank_that_lost_the_kv_waits_for_the_rank_that_writes():
@@ -258,6 +258,7 @@ def test_an_idle_producers_writer_answers_without_its_engine_waking_it():
 
     try:
         wait_for(lambda: not d._pending_completion_notifs.empty())
+        answered_unwoken = not d._pending_completion_notifs.empty()
         # Answered: the writer parks again until the engine hands it work.
         p._finished_blocks_inbox.put(("req-13", ([5],), None))
         arrivals.append({"consumer-agent": [registration("req-13", ([9],))]})
@@ -268,6 +269,7 @@ def test_an_idle_producers_writer_answers_without_its_engine_waking_it():
         p._push_writer_wake.set()
         writer.join(30)
 
+    assert answered_unwoken
     assert d.get_transfer_results().failed_recving == {"req-12"}
     assert p._xfer_blocks_for_req.call_count == 1
 
