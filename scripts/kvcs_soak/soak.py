@@ -689,8 +689,8 @@ def build_report(args, answers, planned, counts, truths, started, alive, rss, wa
         failures.append(f"only {det['clean']} clean loads (at least {args.min_clean} needed)")
     if not consumer.get("preemptions") and not producer.get("preemptions"):
         failures.append("no preemption on either side: the KV caches were not under pressure (--blocks)")
-    grown = {side: round(rss["wave2"][side] - rss["wave1"][side]) for side in rss["wave1"]
-             if rss["wave2"][side] - rss["wave1"][side] > RSS_GROWTH_LIMIT * rss["wave1"][side]}
+    growth = {side: rss["wave2"][side] - rss["wave1"][side] for side in rss["wave1"]}
+    grown = {side: round(mb) for side, mb in growth.items() if mb > RSS_GROWTH_LIMIT * rss["wave1"][side]}
     if grown:
         failures.append(f"RSS grew in the second wave, which repeats the first, by more than "
                         f"{RSS_GROWTH_LIMIT:.0%} (MiB): {grown}; a leak, ours or vLLM's")
@@ -714,7 +714,7 @@ def build_report(args, answers, planned, counts, truths, started, alive, rss, wa
             "down_s": death[1] - death[0],
             "killed_process": truth.reconcile_producer(counts.get("producer_killed", {}),
                                                        counts.get("producer_killed", {}).get("finished", 0))},
-        "rss_growth_wave2_mb": {side: rss["wave2"][side] - rss["wave1"][side] for side in rss["wave1"]},
+        "rss_growth_wave2_mb": growth,
         "failures": failures, "ok": not failures,
     }
 
