@@ -823,10 +823,9 @@ def parse_args(argv=None):
                    help="the demo's P/D proxy (default), or vLLM's own toy proxy "
                         "(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py; pull mode; half the "
                         "clients stream)")
-    p.add_argument("--kill-producer", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--kill-producer", action=argparse.BooleanOptionalAction, default=True,
                    help="a last phase in which the producer is SIGKILLed with requests in flight and restarted "
-                        "(default on; off in --ci and in push mode, whose consumer does not recover from a "
-                        "producer restart: docs/soak.md)")
+                        "(default on; off in --ci)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (default: the tiny models here) or cuda: the GPU-host flow, one GPU per server "
                         "(make soak VLLM_DEVICE=cuda MODEL=...)")
@@ -846,11 +845,6 @@ def parse_args(argv=None):
         args.blocks = BLOCKS_PER_GROUP * KV_CACHE_GROUPS[args.model]
     if args.proxy == "vllm" and args.mode != "pull":
         p.error("--proxy vllm drives the pull layout only (vLLM's toy proxy runs the two pull legs)")
-    if args.kill_producer is None:
-        # vLLM's push consumer keeps the dead producer's NIXL agent (its
-        # peer-replacement cleanup is pull-only, a TODO in base_worker), so
-        # every registration after the restart fails and its load waits forever.
-        args.kill_producer = args.mode != "push"
     if args.ci:
         args.requests, args.concurrency, args.min_clean = (CI_PRESET[k] for k in ("requests", "concurrency",
                                                                                    "min_clean"))

@@ -468,8 +468,7 @@ def test_rss_growing_in_the_second_wave_beyond_the_limit_is_a_leak():
         "a leak, ours or vLLM's"]
 
 
-def test_the_producers_death_is_off_by_default_in_push_mode_only():
-    assert soak.parse_args([]).kill_producer and soak.parse_args(["--mode", "mooncake"]).kill_producer
-    assert not soak.parse_args(["--mode", "push"]).kill_producer
-    assert soak.parse_args(["--mode", "push", "--kill-producer"]).kill_producer
+def test_the_producers_death_is_on_by_default_in_every_mode_and_off_in_ci():
+    assert all(soak.parse_args(["--mode", mode]).kill_producer for mode in ("pull", "push", "mooncake"))
+    assert not soak.parse_args(["--mode", "push", "--no-kill-producer"]).kill_producer
     assert not soak.parse_args(["--ci"]).kill_producer

@@ -1,0 +1,287 @@
+"""A push consumer survives a producer restart: the loads the dead producer can no longer write fail by policy, and the next loads reach the new one.
+
+A restarted producer keeps its engine id (routers and proxies name it) but
+comes back with new NIXL agents. vLLM v0.32's push consumer kept the dead
+agents: every later registration failed to send, and the push worker kept
+such a receive pending, as an earlier registration might still bring a WRITE;
+the loads registered before the death waited for a WRITE that could never
+come. Their requests held their blocks and never got an answer (found by
+`make soak --mode push --kill-producer`: 19 of 30 requests unanswered). The
+patched consumer fails a load whose registration reached no producer rank
+(nothing can write it), drops the unreachable agents so the next registration
+handshakes again, and fails a load whose registration reached only agents a
+new handshake has since replaced.
+
+The NIXL agents are stand-ins (see push_pair): `send_notif` raises for an
+agent whose process is gone, as NIXL does (NIXL_ERR_REMOTE_DISCONNECT), and a
+handshake returns the agents of whichever producer process listens now. The
+consumer's scheduler in the first test is the real vLLM Scheduler with
+NixlPushConnector and the checksum workers (pd_harness).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+from log_capture import capture_logger
+from pd_harness import CONNECTORS, make_request, make_side, prefill, prompt_of
+from push_pair import push_worker, registration
+from vllm.v1.request import RequestStatus
+
+push_worker_module = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker")
+pytestmark = pytest.mark.skipif(
+    not hasattr(push_worker_module.NixlPushConnectorWorker, "_fail_recvs_of_replaced_producers"),
+    reason="the series' prefixes before the push producer-restart patch")
+
+
+class Producer:
+    """The producer engine "producer" as the consumer's NIXL agent sees it:
+    the agents of the process listening now, and which agents are alive."""
+
+    def __init__(self, *agents: str):
+        self.agents = dict(enumerate(agents))
+        self.alive = set(agents)
+        self.received: list[tuple[str, bytes]] = []
+
+    def restart(self, *agents: str) -> None:
+        self.alive -= set(self.agents.values())
+        self.agents = dict(enumerate(agents))
+        self.alive |= set(agents)
+
+    def send_notif(self, agent: str, notif_msg: bytes) -> None:
+        if agent not in self.alive:
+            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+        self.received.append((agent, notif_msg))
+
+
+def consumer(producer: Producer):
+    """A consumer push worker whose handshakes reach `producer`."""
+    d = push_worker("consumer")
+    d.nixl_wrapper.send_notif.side_effect = producer.send_notif
+
+    def handshake(engine_id, host, port, tp_size, *args, **kwargs):
+        with d._handshake_lock:
+            d._remote_agents.setdefault(
+                engine_id, {(0, rank): name for rank, name in producer.agents.items()})
+
+    d._ensure_handshake = handshake
+    return d
+
+
+def register(d, request_id: str) -> None:
+    """The consumer's writer thread sends `request_id`'s registration."""
+    d._recving_metadata.setdefault(request_id, SimpleNamespace(pp_size=1, local_block_ids=([7],)))
+    reg = msgspec.msgpack.decode(registration(request_id, ([7],))[len(b"PUSH_REG:"):])
+    d._send_registration_to_p(request_id, reg)
+
+
+def test_the_consumer_scheduler_fails_the_dead_producers_loads_and_the_next_load_reaches_the_new_one():
+    """Load A registered with the producer, which then died and came back with
+    new agents. Load B's registration reaches no agent: it fails at once. Load
+    C handshakes again and reaches the new process; A, which only the dead one
+    could have written, fails. The real scheduler ends A and B by policy and
+    frees their blocks; C waits for the new producer's WRITE."""
+    P = make_side("kv_producer", connector=CONNECTORS["push"])
+    C = make_side("kv_consumer", connector=CONNECTORS["push"], fail_closed=True, policy="fail")
+    reqs = {}
+    for name, length in (("A", 77), ("B", 53)):
+        _, params = prefill(P, prompt_of(length))
+        params.pop("kv_checksums", None)
+        reqs[name] = make_request(prompt_of(length), params=dict(params))
+        C.scheduler.add_request(reqs[name])
+    C.step()
+    assert all(r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in reqs.values())
+    producer = Producer("old-agent")
+    d = consumer(producer)
+    a, b = reqs["A"].request_id, reqs["B"].request_id
+
+    register(d, a)
+    assert [agent for agent, _ in producer.received] == ["old-agent"]
+    results = d.get_transfer_results()
+    assert not results.failed_recving
+
+    producer.restart("new-agent")
+    register(d, b)
+    results = d.get_transfer_results()
+    assert results.failed_recving == {b}
+    assert "producer" not in d._remote_agents
+    d.nixl_wrapper.remove_remote_agent.assert_called_once_with("old-agent")
+    C.step(finished_recving=results.finished_recving, failed_recving=results.failed_recving)
+    assert reqs["B"].status is RequestStatus.FINISHED_ERROR
+    assert reqs["A"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    register(d, "C")
+    assert producer.received[-1][0] == "new-agent"
+    results = d.get_transfer_results()
+    assert results.failed_recving == {a}
+    C.step(finished_recving=results.finished_recving, failed_recving=results.failed_recving)
+    assert reqs["A"].status is RequestStatus.FINISHED_ERROR
+    assert not C.scheduler.kv_checksum._recvs
+    assert C.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == \
+        C.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1  # all but the null block
+
+    assert "C" in d._recving_metadata  # waits for the new producer's WRITE
+    # B's undelivered registration is a failed notification; A's end is a
+    # failed transfer. Neither is a checksum verdict.
+    assert d.xfer_stats.data["num_failed_notifications"] == [1]
+    assert d.xfer_stats.data["num_failed_transfers"] == [1]
+
+
+def test_a_load_a_live_rank_may_still_write_waits_until_every_rank_it_reached_is_replaced():
+    """Producer TP 2: the registration reached rank 0 only. Rank 0 may still
+    write, so the load waits, also when rank 1 alone restarts; once both
+    ranks' agents are new, nothing can write it and it fails."""
+    producer = Producer("old-0", "old-1")
+    producer.alive.discard("old-1")
+    d = consumer(producer)
+    register(d, "A")
+    assert not d.get_transfer_results().failed_recving
+    assert set(d._remote_agents["producer"].values()) == {"old-0", "old-1"}
+
+    d._remote_agents["producer"] = {(0, 0): "old-0", (0, 1): "new-1"}
+    assert not d.get_transfer_results().failed_recving
+    d._remote_agents["producer"] = {(0, 0): "new-0", (0, 1): "new-1"}
+    assert d.get_transfer_results().failed_recving == {"A"}
+
+
+def test_what_counts_is_the_agents_the_registration_reached_not_all_the_engines():
+    """The registration reached rank 0 only (rank 1 was down). Once rank 0's
+    agent is replaced, nothing that got it is left, even while rank 1's old
+    agent is still listed: the load fails."""
+    producer = Producer("old-0", "old-1")
+    producer.alive.discard("old-1")
+    d = consumer(producer)
+    register(d, "A")
+    assert not d.get_transfer_results().failed_recving
+    d._remote_agents["producer"] = {(0, 0): "new-0", (0, 1): "old-1"}
+    assert d.get_transfer_results().failed_recving == {"A"}
+
+
+def test_a_load_that_reached_both_ranks_waits_while_either_may_write():
+    producer = Producer("old-0", "old-1")
+    d = consumer(producer)
+    register(d, "A")
+    d._remote_agents["producer"] = {(0, 0): "old-0", (0, 1): "new-1"}
+    assert not d.get_transfer_results().failed_recving
+    d._remote_agents["producer"] = {(0, 0): "new-0", (0, 1): "new-1"}
+    assert d.get_transfer_results().failed_recving == {"A"}
+
+
+def test_a_new_handshake_with_the_same_live_producer_fails_nothing():
+    """An engine evicted and handshaken again while alive answers with the
+    same agents: its loads keep waiting for their WRITEs."""
+    producer = Producer("agent-0")
+    d = consumer(producer)
+    register(d, "A")
+    d.get_transfer_results()
+    del d._remote_agents["producer"]
+    d._ensure_handshake("producer", "127.0.0.1", 5601, 1)
+    assert not d.get_transfer_results().failed_recving
+    assert "A" in d._recving_metadata
+
+
+def test_heartbeats_that_reach_no_agent_drop_them_and_a_partial_miss_does_not():
+    producer = Producer("old-0", "old-1")
+    d = consumer(producer)
+    d._ensure_handshake("producer", "127.0.0.1", 5601, 2)
+    hb = SimpleNamespace(host="127.0.0.1", port=5601, tp_size=2, dcp_size=1, pp_size=1,
+                         req_ids=["A"])
+    metadata = SimpleNamespace(heartbeat_by_engine={"producer": hb})
+
+    producer.alive.discard("old-1")
+    d._send_heartbeats(metadata)
+    d.get_transfer_results()
+    assert "producer" in d._remote_agents
+
+    producer.restart("new-0", "new-1")
+    d._send_heartbeats(metadata)
+    d.get_transfer_results()
+    assert "producer" not in d._remote_agents
+    d._send_heartbeats(metadata)  # handshakes again: the next heartbeat goes through
+    assert set(d._remote_agents["producer"].values()) == {"new-0", "new-1"}
+
+
+def test_agents_a_new_handshake_replaced_already_are_not_dropped():
+    """Reports of an unreachable agent set that is no longer the engine's
+    (a handshake replaced it since) leave the new agents alone."""
+    producer = Producer("new-agent")
+    d = consumer(producer)
+    d._ensure_handshake("producer", "127.0.0.1", 5601, 1)
+    d._on_unreachable_remote_engine("producer", frozenset({"old-agent"}))
+    d.get_transfer_results()
+    assert d._remote_agents["producer"] == {(0, 0): "new-agent"}
+    d.nixl_wrapper.remove_remote_agent.assert_not_called()
+
+
+def test_an_instance_that_also_writes_to_the_engine_keeps_its_agents_but_fails_the_load():
+    """kv_both: the writer thread may WRITE to that engine with its
+    descriptors, which the main thread must not release under it. A load no
+    rank received still fails."""
+    producer = Producer("old-agent")
+    d = consumer(producer)
+    d.kv_transfer_config.kv_role = "kv_both"
+    d._ensure_handshake("producer", "127.0.0.1", 5601, 1)
+    d.dst_xfer_side_handles["producer"] = {0: 11}
+    producer.restart("new-agent")
+    register(d, "A")
+    assert d.get_transfer_results().failed_recving == {"A"}
+    assert d._remote_agents["producer"] == {(0, 0): "old-agent"}
+
+
+def test_an_instance_that_writes_elsewhere_drops_the_dead_producers_agents():
+    """kv_both, but with no descriptors for that engine: nothing of this
+    worker uses its agents but notifs, so they go."""
+    producer = Producer("old-agent")
+    d = consumer(producer)
+    d.kv_transfer_config.kv_role = "kv_both"
+    d.dst_xfer_side_handles["another-consumer"] = {0: 11}
+    d._ensure_handshake("producer", "127.0.0.1", 5601, 1)
+    producer.restart("new-agent")
+    register(d, "A")
+    assert d.get_transfer_results().failed_recving == {"A"}
+    assert "producer" not in d._remote_agents
+
+
+def test_agents_reported_twice_are_dropped_once_quietly(caplog):
+    """A registration and a heartbeat both miss the dead agents: the second
+    report finds them gone and does nothing."""
+    producer = Producer("old-agent")
+    d = consumer(producer)
+    d._ensure_handshake("producer", "127.0.0.1", 5601, 1)
+    producer.restart("new-agent")
+    with capture_logger(caplog, "vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker"):
+        register(d, "A")
+        d._on_unreachable_remote_engine("producer", frozenset({"old-agent"}))
+        d.get_transfer_results()
+    d.nixl_wrapper.remove_remote_agent.assert_called_once_with("old-agent")
+    assert not [r for r in caplog.records if "Could not release" in r.getMessage()]
+    assert len({id(r) for r in caplog.records if "Dropped the NIXL agents" in r.getMessage()}) == 1
+
+
+@pytest.mark.parametrize("failing", ["remove_remote_agent", "release_dlist_handle"])
+def test_a_failing_agent_teardown_still_drops_the_agents_and_stays_out_of_the_engine_loop(failing):
+    """Whichever NIXL call of the teardown fails: a consumer holds descriptors
+    for the producer too when a heartbeat made the first, full, handshake."""
+    producer = Producer("old-agent")
+    d = consumer(producer)
+    getattr(d.nixl_wrapper, failing).side_effect = RuntimeError("NIXL_ERR_NOT_FOUND")
+    d._ensure_handshake("producer", "127.0.0.1", 5601, 1)
+    d.dst_xfer_side_handles["producer"] = {0: 11}
+    producer.restart("new-agent")
+    register(d, "A")
+    assert d.get_transfer_results().failed_recving == {"A"}
+    assert "producer" not in d._remote_agents
+
+
+def test_a_load_that_ended_is_forgotten():
+    """What the consumer keeps per registration goes with the load."""
+    producer = Producer("agent-0")
+    d = consumer(producer)
+    register(d, "A")
+    d.get_transfer_results()
+    assert set(d._push_reg_agents) == {"A"}
+    del d._recving_metadata["A"]
+    d.get_transfer_results()
+    assert d._push_reg_agents == {}
