@@ -20,27 +20,13 @@ from vllm.v1.kv_cache_interface import (AttentionSpec, KVCacheConfig, KVCacheSpe
                                         UniformTypeKVCacheSpecs)
 
 from vllm_kvchecksum.definition import MAX_KV_HEADS_PER_LAYER
-from vllm_kvchecksum.layer_view import LayerView
+from vllm_kvchecksum.layer_view import LayerView, PlannedCache
 from vllm_kvchecksum.mamba_plan import fingerprint64, plan_state_layer
 
 MASK64 = (1 << 64) - 1
 # MLA-type caches without max_tp_shards are held whole by every rank (NIXL
 # transfers them whole by spec type, too).
 MLA_TYPES = (MLAAttentionSpec, SlidingWindowMLASpec)
-
-
-@dataclass
-class PlannedCache:
-    name: str
-    layer: int
-    first_head: int
-    replicas: int
-    replica_index: int
-    view: LayerView
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.replicas, self.replica_index)
 
 
 @dataclass

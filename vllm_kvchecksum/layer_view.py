@@ -28,6 +28,7 @@ import torch
 
 from vllm_kvchecksum.definition import (MAX_KV_HEADS_PER_LAYER, PIECE_BITS,
                                         PIECE_BITS_SUPPORTED, slice_factor_base)
+from vllm_kvchecksum.pieces import CachePieces
 
 LAYOUTS = ("HND", "NHD")
 PATHS = ("auto", "torch", "triton", "numba")
@@ -35,39 +36,6 @@ PATHS = ("auto", "torch", "triton", "numba")
 # Layers are numbered from their names; the bound keeps layer * H + head,
 # which the kernel takes as a run-time integer, far from int64 overflow.
 MAX_LAYER = 2**32
-
-
-@dataclass(frozen=True)
-class CachePieces:
-    """One cache tensor of a layer (K, V, or a combined cache) as pieces.
-
-    pieces is a view of the tensor, never a copy, shaped like the tensor with
-    the cell replaced by its pieces: [kernel_blocks, heads, tokens, P_t] for
-    HND, [kernel_blocks, tokens, heads, P_t] for NHD. Within a token of a
-    head, this tensor's pieces come at piece_offset (K before V). Its dtype
-    is int64 for 64-bit pieces (then consecutive pieces are adjacent, and
-    piece_stride is 1), int16 or int32 for 16- or 32-bit pieces, which are
-    piece_stride elements apart (any stride).
-    """
-
-    pieces: torch.Tensor
-    head_dim: int
-    token_dim: int
-    num_pieces: int
-    piece_offset: int
-    piece_stride: int = 1
-
-    @property
-    def block_stride(self) -> int:
-        return self.pieces.stride(0)
-
-    @property
-    def head_stride(self) -> int:
-        return self.pieces.stride(self.head_dim)
-
-    @property
-    def token_stride(self) -> int:
-        return self.pieces.stride(self.token_dim)
 
 
 _NARROW_PIECES = {16: torch.int16, 32: torch.int32}
@@ -334,3 +302,19 @@ class LayerView:
             if t.device != self.device:
                 raise ValueError(
                     f"{name} is on {t.device}, the cache on {self.device}")
+
+
+@dataclass
+class PlannedCache:
+    """One cache tensor of a layer as a worker checksums it: its view, and
+    which TP replica of its heads (or state slices) this rank holds."""
+    name: str
+    layer: int
+    first_head: int
+    replicas: int
+    replica_index: int
+    view: LayerView
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.replicas, self.replica_index)

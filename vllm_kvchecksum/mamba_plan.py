@@ -30,7 +30,7 @@ from math import prod
 import torch
 
 from vllm_kvchecksum.definition import MAX_KV_HEADS_PER_LAYER, PIECE_BYTES
-from vllm_kvchecksum.layer_view import LayerView
+from vllm_kvchecksum.layer_view import LayerView, PlannedCache
 
 # The states a checksum covers, from the page's start.
 COVERED_STATES = 2
@@ -40,7 +40,7 @@ STATE_ELEMENT_BYTES = (2, 4)
 
 @dataclass
 class PlannedLayer:
-    caches: list  # group_plan.PlannedCache
+    caches: list[PlannedCache]
     fingerprint: int
     tp_local: bool
     rows: int  # the global rows (slices) it numbers, from its first_row on
@@ -75,14 +75,12 @@ def plan_state_layer(name: str, layer: int, spec, tensor: torch.Tensor, pos, num
     if tensor.shape[3] < sum(sizes):
         return f"its pages hold {tensor.shape[3]} bytes, its first {len(sizes)} states need {sum(sizes)}"
     splits = getattr(spec, "state_splits", None)
-    from vllm_kvchecksum.group_plan import PlannedCache
-
     if splits is None:
-        return _plan_unsplit(name, layer, spec, tensor, pos, sum(sizes), path, PlannedCache, first_row)
-    return _plan_split(name, layer, spec, tensor[:, 0, 0, :], pos, sizes, splits, path, PlannedCache, first_row)
+        return _plan_unsplit(name, layer, spec, tensor, pos, sum(sizes), path, first_row)
+    return _plan_split(name, layer, spec, tensor[:, 0, 0, :], pos, sizes, splits, path, first_row)
 
 
-def _plan_split(name, layer, spec, pages, pos, sizes, splits, path, planned_cache, first_row) -> PlannedLayer | str:
+def _plan_split(name, layer, spec, pages, pos, sizes, splits, path, first_row) -> PlannedLayer | str:
     if len(splits) < len(sizes):
         return f"state_splits describe {len(splits)} states, {len(sizes)} are checksummed"
     num_blocks = pages.shape[0]
@@ -112,7 +110,7 @@ def _plan_split(name, layer, spec, pages, pos, sizes, splits, path, planned_cach
                                  first_head=first, layout="HND", path=path, piece_bits=8 * elem)
             except ValueError as exc:
                 return f"state {i}: {exc}"
-            caches.append(planned_cache(name, layer, first, replicas, pos.tp_rank % replicas, view))
+            caches.append(PlannedCache(name, layer, first, replicas, pos.tp_rank % replicas, view))
             global_start += local * (pos.tp_size // replicas)
             local_start += local
         global_sizes = [local * (pos.tp_size // replicas) for local, replicas in segments]
@@ -127,7 +125,7 @@ def _plan_split(name, layer, spec, pages, pos, sizes, splits, path, planned_cach
     return PlannedLayer(caches, fingerprint64(text), tp_local=False, rows=row_base - first_row)
 
 
-def _plan_unsplit(name, layer, spec, tensor, pos, covered, path, planned_cache, first_row) -> PlannedLayer | str:
+def _plan_unsplit(name, layer, spec, tensor, pos, covered, path, first_row) -> PlannedLayer | str:
     if covered % PIECE_BYTES:
         return (f"its states' {covered} bytes are not whole {PIECE_BYTES}-byte pieces (and its layer does not "
                 "describe a TP split: MambaBase.get_state_splits)")
@@ -141,5 +139,5 @@ def _plan_unsplit(name, layer, spec, tensor, pos, covered, path, planned_cache, 
         return str(exc)
     states = list(zip(spec.shapes, spec.dtypes))[:COVERED_STATES]
     text = "\0".join([name, "MambaLocal", *(f"{list(shape)}:{dtype}" for shape, dtype in states)])
-    cache = planned_cache(name, layer, first, replicas, pos.tp_rank % replicas, view)
+    cache = PlannedCache(name, layer, first, replicas, pos.tp_rank % replicas, view)
     return PlannedLayer([cache], fingerprint64(text), tp_local=not replicated, rows=1 if replicated else pos.tp_size)

@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 
 from kvcs_demo import prom
+from kvcs_demo.client import completion, error_of, text_of
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_transfer_config, make_models,
                               mooncake_bootstrap, push_target, server_argv, server_env)
@@ -57,10 +58,8 @@ FAULT_KINDS = ("flip_bit", "overwrite_piece", "swap_tokens", "swap_heads", "swap
 # completion reaches the producer after the consumer's verdict.
 WHERE_WAIT_S = 20.0
 PROMPT_WORDS = 150  # 151 tokens with BOS: 5 blocks of 32, the last one partial (change_tail needs that)
-OUTPUT_TOKENS = 8
 METRIC = "vllm:kv_checksum_"
 LOAD_COUNTERS = ("loads_verified", "loads_mismatched", "loads_unverified", "loads_not_compared")
-REQUEST_TIMEOUT_S = 180.0
 VERDICT_WAIT_S = 15.0
 STARTUP_TIMEOUT_S = 900.0
 
@@ -76,33 +75,6 @@ def prompt_of(key: str) -> str:
         words += [f"w{int.from_bytes(digest[i:i + 2], 'little') % 500 + 4}" for i in range(0, len(digest), 2)]
         counter += 1
     return " ".join(words[:PROMPT_WORDS])
-
-
-def completion(client: httpx.Client, url: str, prompt: str | list[int], *, max_tokens: int = OUTPUT_TOKENS,
-               request_id: str | None = None, kv_transfer_params: dict | None = None) -> tuple[int, dict]:
-    body: dict = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = kv_transfer_params
-    headers = {"X-Request-Id": request_id} if request_id else {}
-    r = client.post(f"{url}/v1/completions", json=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
-    try:
-        return r.status_code, r.json()
-    except ValueError:
-        return r.status_code, {"error": {"message": r.text[:500]}}
-
-
-def text_of(body: dict) -> str | None:
-    try:
-        return body["choices"][0]["text"]
-    except (KeyError, IndexError, TypeError):
-        return None
-
-
-def error_of(body: dict) -> str:
-    err = body.get("error") if isinstance(body, dict) else None
-    if isinstance(err, dict):
-        return str(err.get("message", ""))
-    return str(err or "")
 
 
 # ----------------------------------------------------------------- verdicts

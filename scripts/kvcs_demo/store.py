@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcs_demo import prom
+from kvcs_demo.client import OUTPUT_TOKENS, completion, text_of
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.summary import log, log_ending
 
@@ -91,7 +92,6 @@ BLOCKS = 4  # full blocks per prompt
 TAIL = 7  # tokens after them (a partial block: computed, never stored)
 ENTRY_BYTES = 8  # the checksum entry, the last region of every value
 NAMESPACE = "@kv_checksums"
-OUTPUT_TOKENS = 8
 VOCAB = (4, 512)  # the tiny Llama's word ids
 STARTUP_TIMEOUT_S = 900.0
 KEY_WAIT_S = 30.0
@@ -577,8 +577,6 @@ class Demo:
         self.stored: dict[str, list[str]] = {}  # phase -> its keys by position
 
     def completion(self, url: str, tokens: list[int], max_tokens: int, request_id: str) -> tuple[int, dict]:
-        from kvcs_demo.demo import completion
-
         return completion(self.http, url, tokens, max_tokens=max_tokens, request_id=request_id)
 
     def store_prompt(self, server: StoreServer, tokens: list[int], rid: str) -> list[str]:
@@ -608,8 +606,6 @@ class Demo:
         return plan
 
     def run_phase(self, phase: str) -> StorePhase:
-        from kvcs_demo.demo import text_of
-
         rid = f"store.{phase}"
         ph = StorePhase(phase, f"{rid}.b")
         tokens = prompt_tokens(rid)
@@ -673,8 +669,6 @@ def phase_line(ph: StorePhase) -> str:
 
 def measure_ttft(master: Master, pairs: dict[str, tuple[StoreServer, StoreServer]], n: int, http) -> dict:
     """B's latency of store hits (max_tokens 1), checksums on vs off, taking turns."""
-    from kvcs_demo.demo import completion
-
     times: dict[str, list[float]] = {"on": [], "off": []}
     hits = {"on": 0, "off": 0}
     verified_on = mismatched_on = 0

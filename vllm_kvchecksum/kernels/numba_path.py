@@ -61,7 +61,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 if TYPE_CHECKING:
-    from vllm_kvchecksum.layer_view import CachePieces, LayerView
+    from vllm_kvchecksum.pieces import CachePieces, PieceGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -358,7 +358,7 @@ def _storage_from(pieces: torch.Tensor) -> np.ndarray:
 class _CacheArgs:
     """One cache tensor's arguments to the compiled pass, made once per view."""
 
-    def __init__(self, cache: "CachePieces", view: "LayerView"):
+    def __init__(self, cache: "CachePieces", view: "PieceGeometry"):
         self.flat = _storage_from(cache.pieces)
         self.fixed = (view.num_blocks, cache.block_stride, view.kernel_blocks_per_block,
                       view.kernel_tokens, view.num_heads, cache.num_pieces,
@@ -368,7 +368,7 @@ class _CacheArgs:
         self.weights = _run_weights(cache, view)
 
 
-def _run_weights(cache: "CachePieces", view: "LayerView") -> np.ndarray:
+def _run_weights(cache: "CachePieces", view: "PieceGeometry") -> np.ndarray:
     """The in-block weights 2 * (tau * P + p) of a kernel block's run of one
     head, for the one-loop sums; empty (the per-token path) when a head's
     tokens are not back to back or a weight would not fit in 32 bits."""
@@ -384,7 +384,7 @@ def _run_weights(cache: "CachePieces", view: "LayerView") -> np.ndarray:
 class NumbaLayerPath:
     """LayerView.accumulate compiled with numba; built on a view's first use."""
 
-    def __init__(self, view: "LayerView"):
+    def __init__(self, view: "PieceGeometry"):
         if view.device.type != "cpu":
             raise ValueError(f"the Numba path reads host memory; the cache is on {view.device}")
         self.view = view

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from vllm_kvchecksum.layer_view import CachePieces, LayerView
+    from vllm_kvchecksum.pieces import CachePieces, PieceGeometry
 
 # Upper bound on the KV gathered at once, per cache tensor, on any device.
 # Read at call time, so tests can shrink it.
@@ -60,7 +60,7 @@ def _u64(values) -> np.ndarray:
 class _CacheSums:
     """The weight tables of one cache tensor of a layer, in its memory order."""
 
-    def __init__(self, cache: "CachePieces", view: "LayerView"):
+    def __init__(self, cache: "CachePieces", view: "PieceGeometry"):
         kb = view.kernel_blocks_per_block
         kt = view.kernel_tokens
         heads = view.num_heads
@@ -143,7 +143,7 @@ def _consecutive_run(block_ids: torch.Tensor) -> int | None:
 class TorchLayerPath:
     """LayerView.accumulate in PyTorch; built on a view's first use."""
 
-    def __init__(self, view: "LayerView"):
+    def __init__(self, view: "PieceGeometry"):
         self.view = view
         self.caches = [_CacheSums(c, view) for c in view.caches]
         # Pieces are summed as int64 (narrower ones once widened), so a

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from vllm_kvchecksum.layer_view import LayerView
+    from vllm_kvchecksum.pieces import PieceGeometry
 
 CHUNK_PIECES = 16 * 1024
 MAX_TILE = 1024
@@ -114,7 +114,7 @@ def launch_shape(pieces_per_row: int) -> tuple[int, int, int]:
     return tile, chunk, triton.cdiv(pieces_per_row, chunk)
 
 
-def accumulate(view: "LayerView", out: torch.Tensor, column: int,
+def accumulate(view: "PieceGeometry", out: torch.Tensor, column: int,
                block_ids: torch.Tensor, first_tokens: torch.Tensor,
                valid_tokens: torch.Tensor) -> None:
     """LayerView.accumulate on the kernel: one launch per cache tensor."""
