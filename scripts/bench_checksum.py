@@ -2,7 +2,7 @@
 """Benchmark the KV checksum code paths (needs torch, numpy; triton on CUDA).
 
 (a) rows: host time to build the per-block rows of one call, the numpy
-    builder (vllm_kvchecksum.rows.build_rows) against a per-block Python
+    builder (vllm_kvchecksum.core.rows.build_rows) against a per-block Python
     loop that fills three lists and turns each into a tensor.
 (b) cpu: the read rate (GB/s of KV read) of both CPU paths on one layer,
     the Numba pass (the default on CPU) and the PyTorch fallback, against
@@ -54,9 +54,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_kvchecksum.kernels.torch_path import CPU_CHUNK_BYTES  # noqa: E402
-from vllm_kvchecksum.layer_view import LayerView  # noqa: E402
-from vllm_kvchecksum.rows import RequestBlocks, build_rows  # noqa: E402
+from vllm_kvchecksum.core.kernels.torch_path import CPU_CHUNK_BYTES  # noqa: E402
+from vllm_kvchecksum.core.layer_view import LayerView  # noqa: E402
+from vllm_kvchecksum.core.rows import RequestBlocks, build_rows  # noqa: E402
 
 
 def timeit_interleaved(fns: dict, reps: int) -> dict:
@@ -379,7 +379,7 @@ import torch  # a worker has it already
 start = time.perf_counter()
 import numba
 imported = time.perf_counter()
-from vllm_kvchecksum.kernels import numba_path  # compiles or loads the pass
+from vllm_kvchecksum.core.kernels import numba_path  # compiles or loads the pass
 print("numba", imported - start)
 print("pass", time.perf_counter() - imported)
 """

@@ -51,9 +51,9 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from vllm_kvchecksum.compare import compare_load, sum_producer  # noqa: E402
-from vllm_kvchecksum.payload import KVChecksumPayload  # noqa: E402
-from vllm_kvchecksum.records import GroupChecksums, KVChecksumRecord, KVChecksumScheduled  # noqa: E402
+from vllm_kvchecksum.core.compare import compare_load, sum_producer  # noqa: E402
+from vllm_kvchecksum.core.payload import KVChecksumPayload  # noqa: E402
+from vllm_kvchecksum.core.records import GroupChecksums, KVChecksumRecord, KVChecksumScheduled  # noqa: E402
 
 BLOCK = 16
 IN_FLIGHT = (1, 16, 64, 256)
@@ -173,7 +173,7 @@ class _CarriesInParams:
     """The scheduler half of a connector whose loads carry checksums in kv_transfer_params."""
 
     def kv_checksum_carrier(self, request, receiving):
-        from vllm_kvchecksum.carrier import KVChecksumCarrier
+        from vllm_kvchecksum.engine.carrier import KVChecksumCarrier
 
         return KVChecksumCarrier.KV_TRANSFER_PARAMS
 
@@ -186,7 +186,7 @@ def checksum_scheduler_with_loads(num_loads, load_tokens, rng):
 
     from vllm.config import KVTransferConfig
 
-    from vllm_kvchecksum.scheduler import KVChecksumScheduler
+    from vllm_kvchecksum.engine.scheduler import KVChecksumScheduler
 
     kv = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer", enable_kv_checksum=True)
     config, kv_config = vllm_setup(load_tokens + 64, 16, max_num_seqs=4, kv_transfer_config=kv)
@@ -229,7 +229,7 @@ def in_flight_table(args) -> None:
 
 def offloaded_records(num_blocks, groups, tp, rng):
     """Worker records of an intact offloaded load, with their stored entries, and the block hashes."""
-    from vllm_kvchecksum.offload import block_checksum_tags
+    from vllm_kvchecksum.engine.offload import block_checksum_tags
 
     hashes = [rng.bytes(32) for _ in range(num_blocks)]
     recs = records(num_blocks, groups, tp, rng)
@@ -241,7 +241,7 @@ def offloaded_records(num_blocks, groups, tp, rng):
 
 
 def consumer_table(args) -> None:
-    from vllm_kvchecksum.offload import compare_offloaded
+    from vllm_kvchecksum.engine.offload import compare_offloaded
 
     rng = np.random.default_rng(0)
     num_blocks = args.tokens // BLOCK
@@ -311,7 +311,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     step = scheduler_step_time(args.tokens, args.repeat)
     print(f"scheduler step, one {args.tokens}-token prompt: {step * 1e3:.2f} ms (median of {args.repeat})\n")
-    from vllm_kvchecksum.recheck import RecheckStatus, recheck
+    from vllm_kvchecksum.engine.recheck import RecheckStatus, recheck
     print("| groups | TP | producer sum ms | encode ms | payload KB | decode ms | consumer compare ms "
           "| total / step | producer re-check ms | re-check / step |")
     print("|---|---|---|---|---|---|---|---|---|---|")

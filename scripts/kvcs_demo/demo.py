@@ -9,7 +9,7 @@ Mooncake Transfer Engine over TCP on loopback) and the project's own
 P/D proxy, each a separate process in its own process group; waits on their
 health endpoints; then, per setup (see setups.py), runs a clean phase and one
 phase per fault kind, with the consumer's fault-injecting connector
-(vllm_kvchecksum.fault_connector) switched by its control file. Each request's
+(vllm_kvchecksum.drills.fault_connector) switched by its control file. Each request's
 verdict is read from the consumer's Prometheus /metrics (the counter that
 moved), each injection from the connector's JSON lines, the reported block
 positions from the client's error (policy "fail") or the consumer's mismatch
@@ -45,7 +45,7 @@ from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_tra
                               mooncake_bootstrap, push_target, server_argv, server_env)
 from kvcs_demo.store import STORE_FAULTS, expand_positions
 from kvcs_demo.summary import log, log_ending
-from vllm_kvchecksum import incident
+from vllm_kvchecksum.engine import incident
 
 # A producer-side phase: the producer's drill connector flips a bit in a
 # finished request's held KV, after its checksums were sent and before its
@@ -413,7 +413,7 @@ def summary(metrics: dict[str, int]) -> str:
 # ----------------------------------------------------------------- hostile client
 
 def forged_payloads(real: str) -> dict[str, str]:
-    from vllm_kvchecksum.payload import MAX_TOKENS, KVChecksumPayload
+    from vllm_kvchecksum.core.payload import MAX_TOKENS, KVChecksumPayload
 
     payload = KVChecksumPayload.decode(real)
     # Accepted by the decoder (every field below its bounds), yet no consumer

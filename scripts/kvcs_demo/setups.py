@@ -171,7 +171,7 @@ def kv_transfer_config(setup: Setup, role: str, device: str, *, control_path: Pa
         if injections_path is not None:
             faults["log_path"] = str(injections_path)
         config.update(kv_connector="KVChecksumFaultConnector",
-                      kv_connector_module_path="vllm_kvchecksum.fault_connector",
+                      kv_connector_module_path="vllm_kvchecksum.drills.fault_connector",
                       kv_connector_extra_config={"connectors": [nixl], "kv_checksum_faults": faults})
     return config
 

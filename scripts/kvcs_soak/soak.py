@@ -8,7 +8,7 @@ tiny Llama or Gemma-2; checksums on, consumer fail-closed with policy
 "fail") and a P/D proxy (the demo's, or vLLM's own toy proxy with streaming
 clients), with small KV caches so both sides preempt and reuse blocks. Both
 servers wrap their connector in the drill connector
-(vllm_kvchecksum.fault_connector) with no faults, only its ground truth
+(vllm_kvchecksum.drills.fault_connector) with no faults, only its ground truth
 (witness_path: digests of the bytes each producer request sent and each load
 received) and, on the consumer, stalls switched on per phase.
 
@@ -56,7 +56,7 @@ from kvcs_demo.setups import (BLOCK_SIZE, CONNECTORS, MAX_MODEL_LEN, MODES, MOON
                               server_env)
 from kvcs_demo.summary import log
 from kvcs_soak import plots, truth
-from vllm_kvchecksum import incident, metrics
+from vllm_kvchecksum.engine import incident, metrics
 
 STARTUP_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 240.0  # an answer later than this is a hang (reported, not waited for)
@@ -268,7 +268,7 @@ def kv_config(role: str, witness: Path | None, args, control: Path | None = None
         drill.update(stall_rate=0.0, stall_s=args.stall_s)
         if control is not None:
             drill["control_path"] = str(control)
-    config = {"kv_connector": "KVChecksumFaultConnector", "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
+    config = {"kv_connector": "KVChecksumFaultConnector", "kv_connector_module_path": "vllm_kvchecksum.drills.fault_connector",
               "kv_role": role, "kv_load_failure_policy": "fail",
               "kv_connector_extra_config": {"connectors": [child], "kv_checksum_faults": drill}}
     if checksums:
@@ -548,7 +548,7 @@ NO_INCIDENT = "no incident line"
 
 
 def where_of_victims(truths, consumer_log: Path, producer_log: Path) -> dict[str, int]:
-    """Where each caught victim's KV went bad, joined from both servers' logs (vllm_kvchecksum.incident)."""
+    """Where each caught victim's KV went bad, joined from both servers' logs (vllm_kvchecksum.engine.incident)."""
     places = {inc.get("request_id"): place for inc, place in incident.attribute(
         [consumer_log.read_text(errors="replace")], [producer_log.read_text(errors="replace")])}
     return dict(Counter(places.get(t.request_id, NO_INCIDENT) for t in truths
@@ -568,7 +568,7 @@ def judge_where(report: dict, mode: str) -> None:
 
 
 def producer_rechecks(producer_log: Path) -> dict[str, int]:
-    """The producer's re-check lines (vllm_kvchecksum.incident) by result: intact, changed, not_rechecked."""
+    """The producer's re-check lines (vllm_kvchecksum.engine.incident) by result: intact, changed, not_rechecked."""
     return dict(Counter(str(line.get("verdict")) for line in
                         incident.read_incidents(producer_log.read_text(errors="replace"))
                         if line.get("side") == "producer" and line.get("verdict") != incident.READ_AFTER_RELEASE))

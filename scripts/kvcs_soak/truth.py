@@ -24,7 +24,7 @@ from pathlib import Path
 from kvcs_demo.demo import LOAD_COUNTERS as LOAD_VERDICTS
 from kvcs_demo.demo import counter_total
 
-from vllm_kvchecksum.kv_witness import differing_positions
+from vllm_kvchecksum.drills.kv_witness import differing_positions
 
 _MISMATCH_LINE = re.compile(r"KV checksum mismatch for request '([^']*)'")
 _CLIENT_INDEX = re.compile(r"soak-(\d+)(?:-|$)")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvcs_demo import demo, prom
-from vllm_kvchecksum import incident
+from vllm_kvchecksum.engine import incident
 from kvcs_demo.demo import (FAULT_KINDS, PhaseResult, RequestResult, build_report, checksum_counts, choose_setups,
                             diff, expected_verdict, injections_for, judge, loads_in, parse_args,
                             positions_from_client_error, positions_from_log, print_table, verdict_of)
@@ -227,7 +227,7 @@ def test_kv_config_cpu_consumer_with_faults(tmp_path, mode, policy, fail_closed,
     # config (the protocol) included, and no kv_buffer_device.
     assert cfg == {
         "kv_connector": "KVChecksumFaultConnector",
-        "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
+        "kv_connector_module_path": "vllm_kvchecksum.drills.fault_connector",
         "kv_role": "kv_consumer",
         **({} if mode == "mooncake" else {"kv_buffer_device": "cpu"}),
         "enable_kv_checksum": True,
@@ -245,7 +245,7 @@ def test_kv_config_cpu_consumer_with_faults(tmp_path, mode, policy, fail_closed,
 def drill_producer(child: dict, **top) -> dict:
     """A checksummed producer's config: it re-checks its sends, and its
     connector is wrapped in the drill connector, faults on its sends off."""
-    return {"kv_connector": "KVChecksumFaultConnector", "kv_connector_module_path": "vllm_kvchecksum.fault_connector",
+    return {"kv_connector": "KVChecksumFaultConnector", "kv_connector_module_path": "vllm_kvchecksum.drills.fault_connector",
             "kv_role": "kv_producer", **top, "kv_checksum_producer_recheck": True,
             "kv_connector_extra_config": {"connectors": [child], "kv_checksum_faults": {
                 "kinds": "all", "rate": 0.0, "seed": 0, "target": "sends"}}}
@@ -1060,7 +1060,7 @@ def test_the_table_has_a_where_column(capsys):
 # -- the producer_flip_bit phase: its faults, judgement and join ------------------
 
 def test_set_faults_puts_the_producer_flip_on_the_producer_only(tmp_path):
-    from vllm_kvchecksum.fault_connector import KNOWN_KINDS
+    from vllm_kvchecksum.drills.fault_connector import KNOWN_KINDS
 
     s = Setup("x", Path("/m"), control_path=tmp_path / "c.json", producer_control_path=tmp_path / "p.json")
     off = {"kinds": [], "rate": 0.0}

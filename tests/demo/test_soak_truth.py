@@ -149,7 +149,7 @@ def test_both_servers_witness_and_only_the_consumer_stalls(tmp_path):
         assert drill["rate"] == 0.0 and drill["witness_path"] == str(tmp_path / "w.jsonl")
         # Stalls only through the consumer's control file, set per phase.
         assert drill.get("stall_rate", 0) == 0 and ("control_path" in drill) == (role == "kv_consumer")
-        from vllm_kvchecksum.fault_connector import ControlFile, parse_fault_settings
+        from vllm_kvchecksum.drills.fault_connector import ControlFile, parse_fault_settings
 
         parse_fault_settings(extra)  # the drill connector accepts it
     control = ControlFile(str(soak.control_path(tmp_path)), (), 0.0)
@@ -301,7 +301,7 @@ def test_the_kv_cache_pool_grows_with_the_models_groups(tmp_path):
 
 
 def test_where_each_caught_victim_happened(tmp_path):
-    from vllm_kvchecksum import incident
+    from vllm_kvchecksum.engine import incident
 
     record = dict(request_id="cmpl-soak-1-x", verdict="mismatch", source="producer", groups={0: [2]},
                   remote_request_id="p-1", remote_engine_id="e", engine_id="c", connector="NixlConnector",
@@ -334,7 +334,7 @@ def test_where_each_caught_victim_happened(tmp_path):
 def test_the_producers_rechecks_are_counted_and_judged(tmp_path):
     import json
 
-    from vllm_kvchecksum import incident
+    from vllm_kvchecksum.engine import incident
 
     def line(verdict, rid):
         return incident.INCIDENT_MARK + json.dumps(incident.producer_record(

@@ -35,7 +35,7 @@ import sys
 import pytest
 from demo_run import ROOT, processes_left, run_demo
 
-from vllm_kvchecksum import incident
+from vllm_kvchecksum.engine import incident
 
 # The consumer's faults, then the producer's: a bit flipped in its held KV
 # after its checksums were sent (the drill's target "sends").

@@ -29,7 +29,7 @@ from pd_harness import (HEAD_SIZE, NUM_BLOCKS, Side, StructuredOutputManager, Wo
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-from vllm_kvchecksum.worker import KVChecksumWorker
+from vllm_kvchecksum.engine.worker import KVChecksumWorker
 
 ATTENTION_LAYERS = [0, 2]
 MAMBA_LAYERS = [1, 3]

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                SupportsHMA)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_kvchecksum.offload import BlockChecksumRun
+from vllm_kvchecksum.engine.offload import BlockChecksumRun
 
 
 @dataclass

@@ -37,9 +37,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_kvchecksum.metrics import GAUGES
-from vllm_kvchecksum.runner import checksum_step
-from vllm_kvchecksum.worker import KVChecksumWorker
+from vllm_kvchecksum.engine.metrics import GAUGES
+from vllm_kvchecksum.engine.runner import checksum_step
+from vllm_kvchecksum.engine.worker import KVChecksumWorker
 
 NUM_LAYERS = 4
 NUM_HEADS = 4

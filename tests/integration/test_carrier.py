@@ -3,7 +3,7 @@
 from pd_harness import carrier_request, scheduler_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-from vllm_kvchecksum.carrier import KVChecksumCarrier
+from vllm_kvchecksum.engine.carrier import KVChecksumCarrier
 
 PULL = KVChecksumCarrier.KV_TRANSFER_PARAMS
 
@@ -47,6 +47,6 @@ def test_multi_connector_delegates(multi, monkeypatch):
 
 
 def test_startup_line_names_the_carrier():
-    from vllm_kvchecksum.scheduler import _carrier_name
+    from vllm_kvchecksum.engine.scheduler import _carrier_name
 
     assert _carrier_name(connector()) == "kv_transfer_params"

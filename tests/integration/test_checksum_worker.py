@@ -14,9 +14,9 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec, Mam
                                         UniformTypeKVCacheSpecs)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_kvchecksum import group_plan
-from vllm_kvchecksum.records import GroupBlocks, KVChecksumBlocks, KVChecksumOutput
-from vllm_kvchecksum.worker import KVChecksumWorker
+from vllm_kvchecksum.engine import group_plan
+from vllm_kvchecksum.core.records import GroupBlocks, KVChecksumBlocks, KVChecksumOutput
+from vllm_kvchecksum.engine.worker import KVChecksumWorker
 
 BS = 16
 NUM_BLOCKS = 8
@@ -271,8 +271,8 @@ def test_two_requests_two_groups_partial_blocks_odd_rows():
 def test_the_pytorch_fallback_in_chunks_gives_the_same_values(monkeypatch):
     """The worker on the Numba pass (the default on CPU), and on the PyTorch
     path (where numba does not import) in small chunks, agree."""
-    from vllm_kvchecksum import kernels
-    from vllm_kvchecksum.kernels import numba_path, torch_path
+    from vllm_kvchecksum.core import kernels
+    from vllm_kvchecksum.core.kernels import numba_path, torch_path
 
     config, caches = build_caches([KVCacheGroupSpec(LAYERS, attn())], NUM_BLOCKS)
     calls = numba_path.call_count

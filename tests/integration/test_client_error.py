@@ -14,7 +14,7 @@ from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from vllm.exceptions import GenerationError, RetryableRequestError
 
-from vllm_kvchecksum.scheduler import KV_CHECKSUM_ERROR_PREFIX
+from vllm_kvchecksum.engine.scheduler import KV_CHECKSUM_ERROR_PREFIX
 
 REASON = f"{KV_CHECKSUM_ERROR_PREFIX}mismatch: the KV loaded from the producer is corrupt (group 0 blocks [1])"
 
@@ -39,8 +39,8 @@ def test_no_error_no_raise():
 
 
 def test_the_reason_names_at_most_32_positions_per_group():
-    from vllm_kvchecksum.compare import CheckStatus, GroupVerdict, LoadVerdict
-    from vllm_kvchecksum.scheduler import client_reason
+    from vllm_kvchecksum.core.compare import CheckStatus, GroupVerdict, LoadVerdict
+    from vllm_kvchecksum.engine.scheduler import client_reason
 
     verdict = LoadVerdict("r", CheckStatus.MISMATCH, groups={
         0: GroupVerdict(0, CheckStatus.MISMATCH, tuple(range(5000)), 5000),
@@ -53,7 +53,7 @@ def test_the_reason_names_at_most_32_positions_per_group():
 
 def _unverified(*keys, source="producer"):
     """An unverified verdict: one key is the load's own reason, more are its groups' reasons."""
-    from vllm_kvchecksum.compare import CheckStatus, GroupVerdict, LoadVerdict, UnverifiedReason
+    from vllm_kvchecksum.core.compare import CheckStatus, GroupVerdict, LoadVerdict, UnverifiedReason
 
     if len(keys) == 1:
         return LoadVerdict("r", CheckStatus.UNVERIFIED, reason_key=UnverifiedReason(keys[0]), source=source)
@@ -76,7 +76,7 @@ def test_only_failures_a_retry_may_fix_are_retryable(serving, keys, retryable):
     """A proxy that retries 503s must not loop on a failure every retry meets
     again (another model, block sizes, checksums off): those are a 500
     naming the reason and saying a retry will not fix it."""
-    from vllm_kvchecksum.scheduler import client_reason
+    from vllm_kvchecksum.engine.scheduler import client_reason
 
     reason = client_reason(_unverified(*keys))
     with pytest.raises(GenerationError) as info:
@@ -92,7 +92,7 @@ def test_only_failures_a_retry_may_fix_are_retryable(serving, keys, retryable):
 
 def test_failed_offloaded_loads_are_retryable():
     """What failed was dropped from the store: the retry recomputes it."""
-    from vllm_kvchecksum.scheduler import client_error_is_retryable, client_reason
+    from vllm_kvchecksum.engine.scheduler import client_error_is_retryable, client_reason
 
     assert client_error_is_retryable(client_reason(_unverified("not_stored", source="offloaded")))
     assert not client_error_is_retryable(client_reason(_unverified("not_stored")))

@@ -37,8 +37,8 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from vllm_kvchecksum.compare import CheckStatus, LoadVerdict, UnverifiedReason
-from vllm_kvchecksum.scheduler import KV_CHECKSUM_ERROR_PREFIX, client_reason
+from vllm_kvchecksum.core.compare import CheckStatus, LoadVerdict, UnverifiedReason
+from vllm_kvchecksum.engine.scheduler import KV_CHECKSUM_ERROR_PREFIX, client_reason
 
 MODEL = "kvcs-test-model"
 PROMPT_IDS = [11, 12, 13]

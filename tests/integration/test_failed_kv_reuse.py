@@ -20,7 +20,7 @@ from offload_harness import (corrupt_store_kv, empty_store, host_connector, make
                              perform_loads, store_prompt)
 from pd_harness import (CONNECTORS, carrier_maker, forward_of, load, make_request, make_side, prefill, prompt_of,
                         run_local, stats, with_block_hole)
-from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
+from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
 
 PROMPT = 77  # 4 full 16-token blocks and a partial one
 BS = 16

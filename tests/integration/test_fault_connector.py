@@ -1,4 +1,4 @@
-"""KVChecksumFaultConnector (vllm_kvchecksum.fault_connector): the drill
+"""KVChecksumFaultConnector (vllm_kvchecksum.drills.fault_connector): the drill
 connector that corrupts loaded KV on the consumer.
 
 Scheduler side: a real patched vLLM Scheduler whose connector is the fault
@@ -29,10 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorTransferResults, SupportsHMA)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
-from vllm_kvchecksum import fault_connector as fc
-from vllm_kvchecksum import faults
-from vllm_kvchecksum.api import layer_block_checksums
-from vllm_kvchecksum.blocks import request_blocks
+from vllm_kvchecksum.drills import fault_connector as fc
+from vllm_kvchecksum.drills import faults
+from vllm_kvchecksum.core.api import layer_block_checksums
+from vllm_kvchecksum.core.blocks import request_blocks
 
 PROMPT = 77  # 4 full 16-token blocks and a partial one
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
@@ -89,7 +89,7 @@ def fault_config(role: str = "kv_consumer", block_size: int = 16, *, faults_cfg=
         extra["kv_checksum_faults"] = faults_cfg
     return pd_harness.make_config(role, tp, pp, block_size, enable=enable, fail_closed=fail_closed, policy=policy,
                                   connector="KVChecksumFaultConnector", connector_extra=extra,
-                                  connector_module_path="vllm_kvchecksum.fault_connector", **kw)
+                                  connector_module_path="vllm_kvchecksum.drills.fault_connector", **kw)
 
 
 @pytest.fixture

@@ -28,10 +28,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pd_harness import Side, load, make_request, make_side, prefill, prompt_of, series_lacks_producer_tp_size, stats
 
-import vllm_kvchecksum.payload as payload_module
-import vllm_kvchecksum.scheduler as scheduler_module
-from vllm_kvchecksum.scheduler import NOT_RETRYABLE_NOTE
-from vllm_kvchecksum.payload import PAYLOAD_VERSION, KVChecksumPayload, PayloadGroup
+import vllm_kvchecksum.core.payload as payload_module
+import vllm_kvchecksum.engine.scheduler as scheduler_module
+from vllm_kvchecksum.engine.scheduler import NOT_RETRYABLE_NOTE
+from vllm_kvchecksum.core.payload import PAYLOAD_VERSION, KVChecksumPayload, PayloadGroup
 
 PROMPT = 77  # 5 blocks of 16 tokens, the last holding 13; the consumer loads all 77
 # What one load may allocate, the payload's decode and comparison included.
@@ -529,7 +529,7 @@ def test_a_long_prompts_honest_payload_is_within_its_bound(decoded):
 
 def test_bytes_just_over_the_requests_bound_are_refused():
     """The bound is the request's (tokens x groups), not a looser one."""
-    from vllm_kvchecksum.payload import max_packed_size
+    from vllm_kvchecksum.core.payload import max_packed_size
 
     P = make_side("kv_producer")
     C = make_side("kv_consumer", fail_closed=True, policy="fail")
@@ -551,7 +551,7 @@ def test_bytes_just_over_the_requests_bound_are_refused():
 
 @pytest.mark.parametrize("claimed", [True, 1.0, "1"])
 def test_a_connector_tp_size_of_another_type_is_not_taken_for_the_payloads(claimed):
-    from vllm_kvchecksum.compare import UnverifiedReason, compare_load
+    from vllm_kvchecksum.core.compare import UnverifiedReason, compare_load
 
     payload = KVChecksumPayload(num_tokens=16, producer_tp_size=1, groups={})
     verdict = compare_load(payload, [], "r", 1, {}, 16, producer_tp_size=claimed)

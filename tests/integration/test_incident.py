@@ -1,6 +1,6 @@
 """Incident lines on real schedulers, and the join that says where a mismatch happened.
 
-A mismatched load writes one JSON incident line (vllm_kvchecksum.incident)
+A mismatched load writes one JSON incident line (vllm_kvchecksum.engine.incident)
 naming the consumer's request, the producer's request and engine as the
 load named them, the connector, carrier, sizes and positions; a verified or
 unverified load writes none. The joiner reads them with a producer's log.
@@ -12,7 +12,7 @@ import json
 
 from pd_harness import load, make_side, prefill, prompt_of, stats
 
-from vllm_kvchecksum import incident
+from vllm_kvchecksum.engine import incident
 
 PROMPT = 77
 

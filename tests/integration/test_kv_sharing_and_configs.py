@@ -30,10 +30,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.worker.utils import add_kv_sharing_layers_to_kv_cache_groups
 
 import vllm_kvchecksum
-from vllm_kvchecksum.records import GroupBlocks, KVChecksumBlocks
-from vllm_kvchecksum.runner import create_kv_checksum_worker, uniform_model_kv_heads
-from vllm_kvchecksum.scheduler import KVChecksumScheduler, kv_checksum_enabled, unsupported_reason
-from vllm_kvchecksum.worker import KVChecksumWorker
+from vllm_kvchecksum.core.records import GroupBlocks, KVChecksumBlocks
+from vllm_kvchecksum.engine.runner import create_kv_checksum_worker, uniform_model_kv_heads
+from vllm_kvchecksum.engine.scheduler import KVChecksumScheduler, kv_checksum_enabled, unsupported_reason
+from vllm_kvchecksum.engine.worker import KVChecksumWorker
 
 BS = 16
 RAY_V2 = "VLLM_USE_RAY_V2_EXECUTOR_BACKEND"

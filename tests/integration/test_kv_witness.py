@@ -19,8 +19,8 @@ from test_fault_connector import (BLOCK, PROMPT, STUB, bind_plans, create, fault
 from pd_harness import make_side, prefill, prompt_of, run_local
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from vllm_kvchecksum import fault_connector as fc
-from vllm_kvchecksum.kv_witness import differing_positions, head_digests, key_position, state_block_digests
+from vllm_kvchecksum.drills import fault_connector as fc
+from vllm_kvchecksum.drills.kv_witness import differing_positions, head_digests, key_position, state_block_digests
 
 SENT = (3, 5, 7, 9, 11)
 COPY = (13, 15, 17, 19, 21)
@@ -92,7 +92,7 @@ def test_every_tp_rank_of_stage_zero_digests_its_own_heads(worker, monkeypatch, 
     # TP 2, this worker rank 1: its two local KV heads are the model's heads 2 and 3.
     monkeypatch.setattr(fc, "_parallel_ranks", lambda: (1, 0))
     monkeypatch.setattr(fc, "_tp_size", lambda: 2)
-    monkeypatch.setattr("vllm_kvchecksum.runner.uniform_model_kv_heads", lambda config: 4)
+    monkeypatch.setattr("vllm_kvchecksum.engine.runner.uniform_model_kv_heads", lambda config: 4)
     conn, _ = worker({"witness_path": str(tmp_path / "witness.jsonl")})
     assert not conn.injects and conn.witnesses
     witness(conn, sends={"p": fc.WitnessPlan(NUM_TOKENS, {0: (0, SENT)})})

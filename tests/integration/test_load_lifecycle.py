@@ -17,8 +17,8 @@ from pd_harness import make_request, make_side, prefill, prompt_of, stats
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.request import RequestStatus
 
-from vllm_kvchecksum.records import GroupBlocks, KVChecksumBlocks, KVChecksumScheduled
-from vllm_kvchecksum.runner import checksum_step
+from vllm_kvchecksum.core.records import GroupBlocks, KVChecksumBlocks, KVChecksumScheduled
+from vllm_kvchecksum.engine.runner import checksum_step
 
 PROMPT = 77
 

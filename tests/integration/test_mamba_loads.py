@@ -117,7 +117,7 @@ def _with_producer_tp_size(params: dict, tp_size: int) -> dict:
     """The params with the checksums' producer TP size changed (text or bytes, as carried)."""
     from dataclasses import replace
 
-    from vllm_kvchecksum.payload import KVChecksumPayload
+    from vllm_kvchecksum.core.payload import KVChecksumPayload
 
     carried = params["kv_checksums"]
     if isinstance(carried, str):

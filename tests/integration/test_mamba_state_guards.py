@@ -18,8 +18,8 @@ from kv_setup import build_caches
 from test_mamba_worker import BLOCK, LAYERS, MAMBA_GID, NUM_BLOCKS, PAGE, TOKENS, Rank, consumer_checks, producer_value
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
-from vllm_kvchecksum.records import GroupBlocks, KVChecksumBlocks
-from vllm_kvchecksum.worker import KVChecksumWorker
+from vllm_kvchecksum.core.records import GroupBlocks, KVChecksumBlocks
+from vllm_kvchecksum.engine.worker import KVChecksumWorker
 
 
 def test_split_whose_replicas_do_not_divide_the_tp_size_skips_the_group():

@@ -20,9 +20,9 @@ from reference import MOD, state_checksum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_kvchecksum.compare import _replica_checks
-from vllm_kvchecksum.records import GroupBlocks, KVChecksumBlocks
-from vllm_kvchecksum.worker import KVChecksumWorker
+from vllm_kvchecksum.core.compare import _replica_checks
+from vllm_kvchecksum.core.records import GroupBlocks, KVChecksumBlocks
+from vllm_kvchecksum.engine.worker import KVChecksumWorker
 
 LAYERS = [1, 3]
 NUM_BLOCKS = 6

@@ -16,9 +16,9 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import RequestStatus
 
-from vllm_kvchecksum import metrics
-from vllm_kvchecksum.compare import UnverifiedReason
-from vllm_kvchecksum.metrics import KVChecksumProm
+from vllm_kvchecksum.engine import metrics
+from vllm_kvchecksum.core.compare import UnverifiedReason
+from vllm_kvchecksum.engine.metrics import KVChecksumProm
 
 BS = 16
 

@@ -15,7 +15,7 @@ from pd_harness import make_config
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.stats import SchedulerStats
 
-from vllm_kvchecksum import metrics
+from vllm_kvchecksum.engine import metrics
 
 
 def sample(name: str, **labels) -> float | None:

@@ -66,8 +66,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
                                                                                      PullReqMeta, SendBlockMeta)
 from vllm.v1.request import RequestStatus
 
-from vllm_kvchecksum.carrier import KVChecksumCarrier
-from vllm_kvchecksum.payload import MAX_PACKED_BYTES, KVChecksumPayload
+from vllm_kvchecksum.engine.carrier import KVChecksumCarrier
+from vllm_kvchecksum.core.payload import MAX_PACKED_BYTES, KVChecksumPayload
 
 try:
     from mooncake.engine import TransferEngine  # noqa: F401
@@ -87,7 +87,7 @@ def uid(prefix: str) -> str:
 def payload_bytes(seed: int = 1) -> bytes:
     import numpy as np
 
-    from vllm_kvchecksum.payload import PayloadGroup
+    from vllm_kvchecksum.core.payload import PayloadGroup
 
     values = np.arange(3, dtype=np.uint64) * 1_000_003 + seed
     return KVChecksumPayload(num_tokens=70, producer_tp_size=1,
@@ -126,7 +126,7 @@ def test_carrier_is_the_connector_for_mooncake_transfers():
 
 
 def test_startup_line_names_the_carrier():
-    from vllm_kvchecksum.scheduler import _carrier_name
+    from vllm_kvchecksum.engine.scheduler import _carrier_name
 
     assert _carrier_name(make_side("kv_consumer", connector=MOONCAKE).scheduler.connector) == "connector"
 

@@ -18,7 +18,7 @@ from pd_harness import make_config
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
                                         SlidingWindowSpec)
 
-from vllm_kvchecksum.offload import BlockChecksumRun
+from vllm_kvchecksum.engine.offload import BlockChecksumRun
 
 kv_checksums = pytest.importorskip(
     "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.kv_checksums",

@@ -19,7 +19,7 @@ from pd_harness import forward_of, make_request, make_side, prompt_of, run_local
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from vllm_kvchecksum.records import GroupBlocks, KVChecksumBlocks
+from vllm_kvchecksum.core.records import GroupBlocks, KVChecksumBlocks
 
 BS = 16
 PROMPT = BS * 5 + 3  # 5 full blocks, then 3 tokens computed locally

@@ -21,7 +21,7 @@ from pd_harness import (ReportingConnector, forward_of, load, make_config, make_
                         stats)
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from vllm_kvchecksum.offload import BlockChecksumRun
+from vllm_kvchecksum.engine.offload import BlockChecksumRun
 
 BS = 16
 PROMPT = BS * 5 + 3  # 5 full blocks, then 3 tokens computed locally

@@ -15,7 +15,7 @@ import pytest
 from hybrid_harness import MAMBA_GROUP, make_hybrid_side
 from pd_harness import CONNECTORS, load, make_request, make_side, prefill, prompt_of, series_lacks, stats
 
-from vllm_kvchecksum.payload import KVChecksumPayload
+from vllm_kvchecksum.core.payload import KVChecksumPayload
 
 PROMPT = 77  # 4 full 16-token blocks and a partial one
 

@@ -20,7 +20,7 @@ import pytest
 from pd_harness import (CONNECTORS, carrier_maker, forward_of, load, make_request, make_side, prefill, prompt_of,
                         stats)
 
-from vllm_kvchecksum import incident, metrics
+from vllm_kvchecksum.engine import incident, metrics
 
 PROMPT = 77
 
@@ -355,7 +355,7 @@ def test_a_completion_reported_twice_frees_the_blocks_once(repeated, caplog):
 
 
 def test_blocks_that_cannot_be_read_at_the_completion_are_not_rechecked(monkeypatch, caplog):
-    import vllm_kvchecksum.scheduler as checksum_scheduler
+    import vllm_kvchecksum.engine.scheduler as checksum_scheduler
 
     P, C = make_side("kv_producer", producer_recheck=True), make_side("kv_consumer")
     preq, params = prefill(P, prompt_of(PROMPT))
@@ -379,8 +379,8 @@ def run_workers_with_a_drafter(side, out, finished_sending=frozenset()):
     the drafter (finalize_kv_connector: recvs=False)."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    from vllm_kvchecksum.records import KVChecksumOutput
-    from vllm_kvchecksum.runner import checksum_step
+    from vllm_kvchecksum.core.records import KVChecksumOutput
+    from vllm_kvchecksum.engine.runner import checksum_step
 
     outputs = []
     for w in side.workers:

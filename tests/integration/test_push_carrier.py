@@ -51,8 +51,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from vllm_kvchecksum.carrier import KVChecksumCarrier
-from vllm_kvchecksum.payload import KVChecksumPayload
+from vllm_kvchecksum.engine.carrier import KVChecksumCarrier
+from vllm_kvchecksum.core.payload import KVChecksumPayload
 
 PUSH = "NixlPushConnector"
 
@@ -99,7 +99,7 @@ def transfer_results(w: NixlPushConnectorWorker) -> KVConnectorTransferResults:
 def payload_bytes(seed: int = 1) -> bytes:
     import numpy as np
 
-    from vllm_kvchecksum.payload import PayloadGroup
+    from vllm_kvchecksum.core.payload import PayloadGroup
 
     values = np.arange(5, dtype=np.uint64) * 1_000_003 + seed
     return KVChecksumPayload(num_tokens=77, producer_tp_size=1,
@@ -379,7 +379,7 @@ def test_multi_connector_merges_childrens_checksums(multi):
 
 
 def test_startup_line_names_the_push_carrier():
-    from vllm_kvchecksum.scheduler import _carrier_name
+    from vllm_kvchecksum.engine.scheduler import _carrier_name
 
     assert _carrier_name(connector("NixlPushConnector")) == "connector"
 
@@ -419,7 +419,7 @@ def test_malformed_connector_checksums_never_raise(bad, logs):
 
 def changed_value(payload: bytes) -> bytes:
     """The payload with block position 2 of group 0 changed."""
-    from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
+    from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
 
     decoded = KVChecksumPayload.from_bytes(payload)
     group = decoded.groups[0]
@@ -450,7 +450,7 @@ def test_only_the_first_workers_copy_of_connector_checksums_counts(logs, copies,
     C.step()
     C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
     out = C.scheduler.schedule()
-    from vllm_kvchecksum.runner import checksum_step
+    from vllm_kvchecksum.engine.runner import checksum_step
 
     outputs, carried = [], []
     for w, copy in zip(C.workers, copies):

@@ -18,7 +18,7 @@ from pd_harness import forward_of, make_request, make_side, prompt_of
 from test_push_carrier import PUSH, payload_bytes, stub_worker, transfer_results
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
-from vllm_kvchecksum.payload import KVChecksumPayload
+from vllm_kvchecksum.core.payload import KVChecksumPayload
 
 
 # -- P scheduler -----------------------------------------------------------------

@@ -11,7 +11,7 @@ expiry (bounded) and reports a late read of one of them in its transfer
 results; the model runners hand it to the checksum worker, and the
 producer's scheduler counts it in vllm:kv_checksum_producer_read_after_release_total,
 logs an error naming the request and writes an incident line the join
-(python -m vllm_kvchecksum.where) reads as "released before the read".
+(python -m vllm_kvchecksum.engine.where) reads as "released before the read".
 
 The pull workers are built without __init__ (as vLLM's own NIXL tests do for
 the parts they test: a full worker needs a running engine's handshake); the
@@ -33,7 +33,7 @@ import pytest
 from log_capture import capture_logger
 from pd_harness import make_side, runner_step, stats
 
-from vllm_kvchecksum import incident, metrics, scheduler as kvcs_scheduler
+from vllm_kvchecksum.engine import incident, metrics, scheduler as kvcs_scheduler
 
 pytestmark = pytest.mark.skipif(
     not hasattr(__import__("vllm.distributed.kv_transfer.kv_connector.v1.base", fromlist=["x"]
@@ -196,7 +196,7 @@ def test_a_multiconnector_passes_on_every_childs_late_reads():
 
 
 def test_the_checksum_worker_reports_late_reads_in_every_step_kind():
-    from vllm_kvchecksum.runner import checksum_step
+    from vllm_kvchecksum.engine.runner import checksum_step
 
     producer = make_side("kv_producer")
     worker = producer.workers[0].checksums

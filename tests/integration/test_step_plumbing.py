@@ -8,8 +8,8 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-from vllm_kvchecksum.host_copy import PendingHostCopy, new_copy_stream
-from vllm_kvchecksum.records import GroupChecksums, KVChecksumOutput, KVChecksumRecord
+from vllm_kvchecksum.core.host_copy import PendingHostCopy, new_copy_stream
+from vllm_kvchecksum.core.records import GroupChecksums, KVChecksumOutput, KVChecksumRecord
 
 
 def record(tp_rank, pp_rank=0, value=1):

@@ -22,8 +22,8 @@ from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttention
                                         KVCacheGroupSpec, MLAAttentionSpec, SlidingWindowMLASpec,
                                         SlidingWindowSpec)
 
-from vllm_kvchecksum.blocks import request_blocks
-from vllm_kvchecksum.scheduler import transfer_layouts
+from vllm_kvchecksum.core.blocks import request_blocks
+from vllm_kvchecksum.engine.scheduler import transfer_layouts
 
 BS = 16
 KW = dict(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)

@@ -209,7 +209,7 @@ def test_unaligned_smaller_consumer_blocks_are_unverified(logs, make):
 
 
 def test_connector_without_carrier(tmp_path, logs):
-    from vllm_kvchecksum.scheduler import KVChecksumConfigError
+    from vllm_kvchecksum.engine.scheduler import KVChecksumConfigError
 
     extra = {"shared_storage_path": str(tmp_path)}
     with pytest.raises(KVChecksumConfigError, match="cannot carry KV checksums"):

@@ -23,7 +23,7 @@ def cpu_path(request, monkeypatch):
     LayerView's "auto" picks the path, so tests that build views without
     naming one exercise both; the value is the path they get.
     """
-    from vllm_kvchecksum import kernels
+    from vllm_kvchecksum.core import kernels
     if request.param == "numba":
         assert kernels.numba_available(), (
             "numba does not import; vLLM installs it, and the Numba path is "

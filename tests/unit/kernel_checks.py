@@ -15,8 +15,8 @@ import torch
 
 import reference
 from kvcaches import random_cache, to_layout
-from vllm_kvchecksum.layer_view import LayerView
-from vllm_kvchecksum.rows import RequestBlocks, build_rows
+from vllm_kvchecksum.core.layer_view import LayerView
+from vllm_kvchecksum.core.rows import RequestBlocks, build_rows
 
 
 def _both_paths(caches, device, rows, *, block_size, layer, first_head, layout,

@@ -18,7 +18,7 @@ sys.path[:0] = [_HERE, os.path.dirname(os.path.dirname(_HERE))]
 import kernel_checks  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from vllm_kvchecksum.kernels import triton_kernel  # noqa: E402
+from vllm_kvchecksum.core.kernels import triton_kernel  # noqa: E402
 
 
 def main() -> int:

@@ -1,12 +1,12 @@
-"""The block rule (vllm_kvchecksum.blocks), on its own.
+"""The block rule (vllm_kvchecksum.core.blocks), on its own.
 
 Which blocks a connector transfers is checked against the connectors
 themselves in tests/integration/test_transfer_blocks.py; here, the rule's
 own cases: token ranges, the window clip, null blocks.
 """
 
-from vllm_kvchecksum.blocks import GroupLayout, group_blocks, request_blocks
-from vllm_kvchecksum.records import GroupBlocks
+from vllm_kvchecksum.core.blocks import GroupLayout, group_blocks, request_blocks
+from vllm_kvchecksum.core.records import GroupBlocks
 
 FULL = GroupLayout(0, 16)
 WINDOW_48 = GroupLayout(1, 16, window_blocks=48 // 16 + 1)

@@ -20,11 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_kvchecksum import compare as compare_module
-from vllm_kvchecksum.compare import (CheckStatus, ConsumerGroupBlocks, LoadVerdict,
+from vllm_kvchecksum.core import compare as compare_module
+from vllm_kvchecksum.core.compare import (CheckStatus, ConsumerGroupBlocks, LoadVerdict,
                                      UnverifiedReason, compare_load, sum_producer)
-from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
-from vllm_kvchecksum.records import GroupChecksums, KVChecksumRecord
+from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
+from vllm_kvchecksum.core.records import GroupChecksums, KVChecksumRecord
 
 MOD = 2**64
 REQ = "req-1"

@@ -27,8 +27,8 @@ import pytest
 from test_compare import (MODEL, REQ, Corruption, Side, assert_unverified, block_sums, consume, produce,
                           side_records, transfer)
 
-from vllm_kvchecksum.compare import CheckStatus, UnverifiedReason, sum_producer
-from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
+from vllm_kvchecksum.core.compare import CheckStatus, UnverifiedReason, sum_producer
+from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
 
 
 def consumer_group_values(records, group: int) -> np.ndarray:

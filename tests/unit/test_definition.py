@@ -6,7 +6,7 @@ import torch
 
 import reference
 from vllm_kvchecksum import layer_block_checksums
-from vllm_kvchecksum.definition import (MAX_KV_HEADS_PER_LAYER, PIECE_BYTES,
+from vllm_kvchecksum.core.definition import (MAX_KV_HEADS_PER_LAYER, PIECE_BYTES,
                                         as_uint64, piece_weight,
                                         pieces_per_cell, slice_factor,
                                         slice_factor_base, to_int64,

@@ -1,4 +1,4 @@
-"""Fault kinds (vllm_kvchecksum.faults): each changes the bytes it reports,
+"""Fault kinds (vllm_kvchecksum.drills.faults): each changes the bytes it reports,
 and the checksum changes exactly at the positions it calls detectable."""
 
 import random
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvcaches import random_cache, to_layout
-from vllm_kvchecksum.api import layer_block_checksums
-from vllm_kvchecksum.faults import FAULT_KINDS, Injection, inject
+from vllm_kvchecksum.core.api import layer_block_checksums
+from vllm_kvchecksum.drills.faults import FAULT_KINDS, Injection, inject
 
 NUM_BLOCKS = 12
 SOURCE = 11  # a block of "another request" for misplace_block

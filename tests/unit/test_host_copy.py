@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_kvchecksum.host_copy import PendingHostCopy, StubEvent, StubStream, new_copy_stream
+from vllm_kvchecksum.core.host_copy import PendingHostCopy, StubEvent, StubStream, new_copy_stream
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,11 +1,11 @@
-"""Incident lines and the where-join, without vLLM (vllm_kvchecksum.incident)."""
+"""Incident lines and the where-join, without vLLM (vllm_kvchecksum.engine.incident)."""
 
 from __future__ import annotations
 
 import json
 import logging
 
-from vllm_kvchecksum import incident
+from vllm_kvchecksum.engine import incident
 
 
 def record(**changes):

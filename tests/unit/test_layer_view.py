@@ -11,8 +11,8 @@ import torch
 import reference
 from kvcaches import DTYPES, random_cache, split_heads, to_layout
 from vllm_kvchecksum import layer_block_checksums
-from vllm_kvchecksum.kernels import torch_path
-from vllm_kvchecksum.layer_view import LayerView
+from vllm_kvchecksum.core.kernels import torch_path
+from vllm_kvchecksum.core.layer_view import LayerView
 
 MOD = 2**64
 

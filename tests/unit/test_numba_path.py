@@ -16,9 +16,9 @@ import torch
 
 import reference
 from kvcaches import random_cache, to_layout
-from vllm_kvchecksum import kernels
-from vllm_kvchecksum.kernels import numba_path
-from vllm_kvchecksum.layer_view import LayerView
+from vllm_kvchecksum.core import kernels
+from vllm_kvchecksum.core.kernels import numba_path
+from vllm_kvchecksum.core.layer_view import LayerView
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -173,8 +173,8 @@ def test_a_bad_block_id_raises_and_adds_nothing(bad, kernel_tokens):
 _START = """
 import json, sys, torch
 sys.path.insert(0, {root!r})
-from vllm_kvchecksum.kernels import numba_path
-from vllm_kvchecksum.layer_view import LayerView
+from vllm_kvchecksum.core.kernels import numba_path
+from vllm_kvchecksum.core.layer_view import LayerView
 k = torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16)
 LayerView([k, k], block_size=16, layer=0).warm_up()
 stats = numba_path._cache_rows.stats
@@ -257,7 +257,7 @@ def test_without_a_disk_cache_the_pass_still_compiles(caplog):
 
 def test_a_pass_that_does_not_import_leaves_the_pytorch_path(monkeypatch, caplog):
     kernels.numba_available.cache_clear()
-    monkeypatch.setitem(sys.modules, "vllm_kvchecksum.kernels.numba_path", None)
+    monkeypatch.setitem(sys.modules, "vllm_kvchecksum.core.kernels.numba_path", None)
     try:
         with caplog.at_level("WARNING"):
             assert kernels.numba_available() is False

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_kvchecksum.compare import CheckStatus, UnverifiedReason
-from vllm_kvchecksum.offload import block_checksum_tags, block_hash_words, compare_offloaded
-from vllm_kvchecksum.records import GroupChecksums, KVChecksumRecord
+from vllm_kvchecksum.core.compare import CheckStatus, UnverifiedReason
+from vllm_kvchecksum.engine.offload import block_checksum_tags, block_hash_words, compare_offloaded
+from vllm_kvchecksum.core.records import GroupChecksums, KVChecksumRecord
 
 REQ = "r"
 HASHES = [bytes([i]) * 32 for i in range(1, 4)]

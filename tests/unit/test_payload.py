@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_kvchecksum import payload as payload_module
-from vllm_kvchecksum.payload import (MAX_GROUPS, MAX_PAYLOAD_BYTES, MAX_TOKENS, PAYLOAD_VERSION,
+from vllm_kvchecksum.core import payload as payload_module
+from vllm_kvchecksum.core.payload import (MAX_GROUPS, MAX_PAYLOAD_BYTES, MAX_TOKENS, PAYLOAD_VERSION,
                                      KVChecksumPayload, PayloadGroup, max_encoded_size, max_packed_size)
 
 FUZZ = settings(max_examples=150, deadline=None,
@@ -453,7 +453,7 @@ def test_module_imports_no_vllm(module):
             imported.add(node.module)
     assert {name.split(".")[0] for name in imported} <= ALLOWED_IMPORTS
     local = {name for name in imported if name.startswith("vllm_kvchecksum")}
-    assert local <= {"vllm_kvchecksum.payload", "vllm_kvchecksum.records"}
+    assert local <= {"vllm_kvchecksum.core.payload", "vllm_kvchecksum.core.records"}
 
 
 # -- the bound a request puts on its payload ---------------------------------

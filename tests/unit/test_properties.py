@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import reference
 from kvcaches import random_cache, to_layout
 from vllm_kvchecksum import layer_block_checksums
-from vllm_kvchecksum.kernels import torch_path
+from vllm_kvchecksum.core.kernels import torch_path
 
 pytestmark = pytest.mark.usefixtures("cpu_path")
 

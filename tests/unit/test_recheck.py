@@ -1,9 +1,9 @@
-"""vllm_kvchecksum.recheck: the producer's sums at the transfer's completion against those it sent."""
+"""vllm_kvchecksum.engine.recheck: the producer's sums at the transfer's completion against those it sent."""
 
 import numpy as np
 
-from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
-from vllm_kvchecksum.recheck import RecheckStatus, recheck
+from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
+from vllm_kvchecksum.engine.recheck import RecheckStatus, recheck
 
 
 def payload(values: dict[int, list[int]], *, start: int = 0, num_tokens: int = 128, fingerprint: int = 7,

@@ -5,8 +5,8 @@ import torch
 
 import reference
 from kvcaches import random_cache
-from vllm_kvchecksum.layer_view import LayerView
-from vllm_kvchecksum.rows import BlockRows, RequestBlocks, build_rows
+from vllm_kvchecksum.core.layer_view import LayerView
+from vllm_kvchecksum.core.rows import BlockRows, RequestBlocks, build_rows
 
 
 def rows_by_loop(requests, block_size):

@@ -18,9 +18,9 @@ import torch
 import reference
 from kernel_checks import (state_accumulate, state_page, state_reference,
                            state_rows, state_segments, state_view)
-from vllm_kvchecksum.definition import MAX_KV_HEADS_PER_LAYER
-from vllm_kvchecksum.kernels import torch_path
-from vllm_kvchecksum.layer_view import LayerView
+from vllm_kvchecksum.core.definition import MAX_KV_HEADS_PER_LAYER
+from vllm_kvchecksum.core.kernels import torch_path
+from vllm_kvchecksum.core.layer_view import LayerView
 
 pytestmark = pytest.mark.timeout(60)
 

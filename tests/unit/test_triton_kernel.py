@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from vllm_kvchecksum.kernels import triton_available
+from vllm_kvchecksum.core.kernels import triton_available
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "run_interpreted_kernel_checks.py")

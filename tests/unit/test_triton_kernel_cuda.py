@@ -7,7 +7,7 @@ torch and triton, not vllm."""
 import pytest
 import torch
 
-from vllm_kvchecksum.kernels import triton_available
+from vllm_kvchecksum.core.kernels import triton_available
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
     not (torch.cuda.is_available() and triton_available()),
@@ -23,7 +23,7 @@ def test_kernel_on_cuda(check):
 
 
 def test_cuda_caches_pick_the_kernel():
-    from vllm_kvchecksum.layer_view import LayerView
+    from vllm_kvchecksum.core.layer_view import LayerView
     view = LayerView([torch.zeros(2, 1, 4, 8, dtype=torch.bfloat16, device="cuda")],
                      block_size=4, layer=0)
     assert view.path == "triton"
@@ -64,7 +64,7 @@ def test_mamba_sized_state_on_cuda(dtype, layout):
     """A state of 24K pieces per block (a (3, 8192) conv state, stored
     (len, dim) or (dim, len)): more than CHUNK_PIECES, so each block spans two
     kernel chunks; equal to the definition."""
-    from vllm_kvchecksum.kernels import triton_kernel
+    from vllm_kvchecksum.core.kernels import triton_kernel
     rows, elements = 8192, 3
     assert triton_kernel.CHUNK_PIECES < rows * elements < 2 * triton_kernel.CHUNK_PIECES
     esize = torch.empty(0, dtype=dtype).element_size()

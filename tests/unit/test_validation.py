@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from vllm_kvchecksum import layer_block_checksums
-from vllm_kvchecksum.definition import MAX_KV_HEADS_PER_LAYER
-from vllm_kvchecksum.layer_view import LayerView
+from vllm_kvchecksum.core.definition import MAX_KV_HEADS_PER_LAYER
+from vllm_kvchecksum.core.layer_view import LayerView
 
 
 def cache(*shape, dtype=torch.bfloat16):

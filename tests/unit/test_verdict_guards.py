@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from test_offload_compare import FP, HASHES, _compare, _record
 
-from vllm_kvchecksum.compare import CheckStatus, UnverifiedReason, compare_load
-from vllm_kvchecksum.offload import block_checksum_tags
-from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
-from vllm_kvchecksum.records import GroupChecksums, KVChecksumRecord
+from vllm_kvchecksum.core.compare import CheckStatus, UnverifiedReason, compare_load
+from vllm_kvchecksum.engine.offload import block_checksum_tags
+from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
+from vllm_kvchecksum.core.records import GroupChecksums, KVChecksumRecord
 
 # -- offload.py: stored entries of another shape --------------------------------
 

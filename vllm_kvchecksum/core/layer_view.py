@@ -26,9 +26,9 @@ from typing import Sequence
 
 import torch
 
-from vllm_kvchecksum.definition import (MAX_KV_HEADS_PER_LAYER, PIECE_BITS,
+from vllm_kvchecksum.core.definition import (MAX_KV_HEADS_PER_LAYER, PIECE_BITS,
                                         PIECE_BITS_SUPPORTED, slice_factor_base)
-from vllm_kvchecksum.pieces import CachePieces
+from vllm_kvchecksum.core.pieces import CachePieces
 
 LAYOUTS = ("HND", "NHD")
 PATHS = ("auto", "torch", "triton", "numba")
@@ -203,7 +203,7 @@ class LayerView:
         self._path_impl_for = None
 
     def _choose_path(self, path: str) -> str:
-        from vllm_kvchecksum import kernels
+        from vllm_kvchecksum.core import kernels
         if path == "auto":
             if self.device.type == "cuda" and kernels.triton_available():
                 return "triton"
@@ -245,7 +245,7 @@ class LayerView:
         if out.shape[0] == 0:
             return
         if self.path == "triton":
-            from vllm_kvchecksum.kernels import triton_kernel
+            from vllm_kvchecksum.core.kernels import triton_kernel
             triton_kernel.accumulate(self, out, column, block_ids,
                                      first_tokens, valid_tokens)
         else:
@@ -257,9 +257,9 @@ class LayerView:
 
     def _make_path_impl(self):
         if self.path == "numba":
-            from vllm_kvchecksum.kernels.numba_path import NumbaLayerPath
+            from vllm_kvchecksum.core.kernels.numba_path import NumbaLayerPath
             return NumbaLayerPath(self)
-        from vllm_kvchecksum.kernels.torch_path import TorchLayerPath
+        from vllm_kvchecksum.core.kernels.torch_path import TorchLayerPath
         return TorchLayerPath(self)
 
     def warm_up(self) -> None:

@@ -23,12 +23,12 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from vllm_kvchecksum.group_plan import GroupPlan, TPPosition, plan_groups
-from vllm_kvchecksum.host_copy import PendingHostCopy, new_copy_stream
-from vllm_kvchecksum.records import (GroupChecksums, KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord,
+from vllm_kvchecksum.engine.group_plan import GroupPlan, TPPosition, plan_groups
+from vllm_kvchecksum.core.host_copy import PendingHostCopy, new_copy_stream
+from vllm_kvchecksum.core.records import (GroupChecksums, KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord,
                                      RecordPurpose)
-from vllm_kvchecksum.offload import block_checksum_tags
-from vllm_kvchecksum.rows import BLOCK_IDS, RequestBlocks, build_rows
+from vllm_kvchecksum.engine.offload import block_checksum_tags
+from vllm_kvchecksum.core.rows import BLOCK_IDS, RequestBlocks, build_rows
 
 # A child of "vllm", so it logs through vLLM's handlers and format.
 logger = logging.getLogger("vllm.kv_checksum")

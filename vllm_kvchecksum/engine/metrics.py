@@ -61,7 +61,7 @@ has stopped and nothing is held; a value that stays up is a leak):
 A producer whose connector released a request's KV before the consumer read
 it (vLLM NIXL's lease expiry) counts the expiry in the connector's own
 vllm:nixl_num_kv_expired_reqs, and the read that came after it in
-producer_read_after_release above; `python -m vllm_kvchecksum.where` joins
+producer_read_after_release above; `python -m vllm_kvchecksum.engine.where` joins
 either's log line with the consumer's mismatch (incident.py). NIXL's
 vllm:nixl_num_notifications_after_expiry is no count of such reads: it also
 counts the second notification a consumer sends for a load that failed its
@@ -80,7 +80,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_kvchecksum.compare import UnverifiedReason
+from vllm_kvchecksum.core.compare import UnverifiedReason
 
 # The stats keys: a name, or "name/label value" for labelled counters.
 VERIFIED = "loads_verified"

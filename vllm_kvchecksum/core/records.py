@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from vllm_kvchecksum.host_copy import PendingHostCopy
+    from vllm_kvchecksum.core.host_copy import PendingHostCopy
 
 # (replicas, replica_index): the TP replication of the layers a partial sum
 # covers. Layers held by one rank only are (1, 0).

@@ -46,7 +46,7 @@ def numba_available() -> bool:
     if not _imports("numba"):
         return False
     try:
-        importlib.import_module("vllm_kvchecksum.kernels.numba_path")
+        importlib.import_module("vllm_kvchecksum.core.kernels.numba_path")
     except Exception as exc:
         logger.warning("KV checksums: numba imports but the compiled CPU pass does not (%s: %s); "
                        "CPU caches are checksummed on the slower PyTorch path", type(exc).__name__, exc)

@@ -7,7 +7,7 @@ format: the request, the producer's request and engine as the load named
 them, the connector and carrier, both sides' TP size and block sizes, the
 groups and block positions that differed.
 
-`python -m vllm_kvchecksum.where` (where_main) joins a consumer's incident
+`python -m vllm_kvchecksum.engine.where` (where_main) joins a consumer's incident
 lines with its producers' logs and says, per mismatched load, where the KV
 went bad:
 - "changed on the producer: released before the read": the producer
@@ -261,7 +261,7 @@ def attribute(consumer_logs: Iterable[str], producer_logs: Iterable[str]) -> lis
 
 
 def where_main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vllm_kvchecksum.where",
+    p = argparse.ArgumentParser(prog="python -m vllm_kvchecksum.engine.where",
                                 description="Where each KV checksum mismatch happened, from the servers' logs.")
     p.add_argument("--consumer", type=Path, action="append", required=True, help="a consumer server's log")
     p.add_argument("--producer", type=Path, action="append", default=[], help="a producer server's log")

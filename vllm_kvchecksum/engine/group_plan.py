@@ -19,9 +19,9 @@ from vllm.v1.kv_cache_interface import (AttentionSpec, KVCacheConfig, KVCacheSpe
                                         MLAAttentionSpec, SlidingWindowMLASpec,
                                         UniformTypeKVCacheSpecs)
 
-from vllm_kvchecksum.definition import MAX_KV_HEADS_PER_LAYER
-from vllm_kvchecksum.layer_view import LayerView, PlannedCache
-from vllm_kvchecksum.mamba_plan import fingerprint64, plan_state_layer
+from vllm_kvchecksum.core.definition import MAX_KV_HEADS_PER_LAYER
+from vllm_kvchecksum.core.layer_view import LayerView, PlannedCache
+from vllm_kvchecksum.engine.mamba_plan import fingerprint64, plan_state_layer
 
 MASK64 = (1 << 64) - 1
 # MLA-type caches without max_tp_shards are held whole by every rank (NIXL

@@ -13,9 +13,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vllm_kvchecksum.definition import as_uint64
-from vllm_kvchecksum.layer_view import LayerView
-from vllm_kvchecksum.rows import RequestBlocks, build_rows
+from vllm_kvchecksum.core.definition import as_uint64
+from vllm_kvchecksum.core.layer_view import LayerView
+from vllm_kvchecksum.core.rows import RequestBlocks, build_rows
 
 
 def layer_block_checksums(kv_cache: torch.Tensor | Sequence[torch.Tensor],

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from vllm_kvchecksum.pieces import PieceGeometry
+    from vllm_kvchecksum.core.pieces import PieceGeometry
 
 CHUNK_PIECES = 16 * 1024
 MAX_TILE = 1024

@@ -29,8 +29,8 @@ from math import prod
 
 import torch
 
-from vllm_kvchecksum.definition import MAX_KV_HEADS_PER_LAYER, PIECE_BYTES
-from vllm_kvchecksum.layer_view import LayerView, PlannedCache
+from vllm_kvchecksum.core.definition import MAX_KV_HEADS_PER_LAYER, PIECE_BYTES
+from vllm_kvchecksum.core.layer_view import LayerView, PlannedCache
 
 # The states a checksum covers, from the page's start.
 COVERED_STATES = 2

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from vllm_kvchecksum.records import KVChecksumOutput, KVChecksumScheduled, RecordPurpose
-from vllm_kvchecksum.scheduler import kv_checksum_enabled
-from vllm_kvchecksum.worker import KVChecksumWorker
+from vllm_kvchecksum.core.records import KVChecksumOutput, KVChecksumScheduled, RecordPurpose
+from vllm_kvchecksum.engine.scheduler import kv_checksum_enabled
+from vllm_kvchecksum.engine.worker import KVChecksumWorker
 
 if TYPE_CHECKING:
     import torch

@@ -61,7 +61,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 if TYPE_CHECKING:
-    from vllm_kvchecksum.pieces import CachePieces, PieceGeometry
+    from vllm_kvchecksum.core.pieces import CachePieces, PieceGeometry
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_kvchecksum.payload import KVChecksumPayload
+from vllm_kvchecksum.core.payload import KVChecksumPayload
 
 
 class RecheckStatus(str, enum.Enum):

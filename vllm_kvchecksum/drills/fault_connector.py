@@ -7,7 +7,7 @@ checksums it. A drill then shows whether the checksums report the damage
 where they should: a mismatch at the corrupted block positions, a verified
 load when only bytes past the prompt changed, an unverified load when the
 checksums were lost on the way. The fault kinds themselves are the pure
-functions of vllm_kvchecksum.faults; this module decides when and where to
+functions of vllm_kvchecksum.drills.faults; this module decides when and where to
 apply them. Loaded through kv_connector_module_path, it needs no vLLM patch
 (docs/fault-drills.md has the configuration).
 
@@ -40,10 +40,10 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector, MultiKVConnectorMetadata
 
-from vllm_kvchecksum import faults
-from vllm_kvchecksum.blocks import request_blocks
-from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY
-from vllm_kvchecksum.kv_witness import head_digests, state_block_digests
+from vllm_kvchecksum.drills import faults
+from vllm_kvchecksum.core.blocks import request_blocks
+from vllm_kvchecksum.engine.carrier import KV_TRANSFER_PARAMS_KEY
+from vllm_kvchecksum.drills.kv_witness import head_digests, state_block_digests
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from vllm_kvchecksum.blocks import GroupLayout
+    from vllm_kvchecksum.core.blocks import GroupLayout
 
 __all__ = ["KVChecksumFaultConnector", "FaultConnectorMetadata", "FaultPlan", "FaultDecision", "FaultSettings",
            "FaultDecider", "ControlFile", "WitnessPlan", "parse_fault_settings", "parse_kinds", "checksummed_layers", "witnessed_layers", "expect_of",
@@ -517,8 +517,8 @@ def witnessed_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     (per attention group, each layer's first global KV head on this rank;
     per Mamba state group, the bytes of each layer's page the checksums
     cover, the states the connector transfers)."""
-    from vllm_kvchecksum.group_plan import layer_spec
-    from vllm_kvchecksum.mamba_plan import covered_state_bytes
+    from vllm_kvchecksum.engine.group_plan import layer_spec
+    from vllm_kvchecksum.engine.mamba_plan import covered_state_bytes
 
     plans = _worker_plans(vllm_config, kv_cache_config, kv_caches, tp_rank, tp_size)
     heads, states = {}, {}
@@ -537,8 +537,8 @@ def _worker_plans(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_ca
                   tp_rank: int, tp_size: int):
     """The KVChecksumWorker's own group plans (group_plan.plan_groups), with
     the same inputs as runner.create_kv_checksum_worker."""
-    from vllm_kvchecksum.group_plan import TPPosition, plan_groups
-    from vllm_kvchecksum.runner import uniform_model_kv_heads
+    from vllm_kvchecksum.engine.group_plan import TPPosition, plan_groups
+    from vllm_kvchecksum.engine.runner import uniform_model_kv_heads
 
     try:
         model_kv_heads = uniform_model_kv_heads(vllm_config)
@@ -684,7 +684,7 @@ class KVChecksumFaultConnector(MultiConnector):
                                      skipped=skipped, now=time.time(), pid=os.getpid()))
 
     def _carried_by_connector(self, request: Request) -> bool:
-        from vllm_kvchecksum.carrier import KVChecksumCarrier
+        from vllm_kvchecksum.engine.carrier import KVChecksumCarrier
 
         return self.kv_checksum_carrier(request, True) is KVChecksumCarrier.CONNECTOR
 
@@ -803,7 +803,7 @@ class KVChecksumFaultConnector(MultiConnector):
         plan = self._send_candidates.pop(request.request_id, None)
         if plan is None:
             return
-        from vllm_kvchecksum.scheduler import NORMAL_FINISHES
+        from vllm_kvchecksum.engine.scheduler import NORMAL_FINISHES
 
         # Only these finishes send checksums (KVChecksumScheduler.request_finished).
         if delay_free and request.status.name in NORMAL_FINISHES:
@@ -881,7 +881,7 @@ class KVChecksumFaultConnector(MultiConnector):
     def _transfer_layouts(self) -> list[GroupLayout]:
         """The checksum scheduler's transfer groups (built once, on first use)."""
         if self._layouts is None:
-            from vllm_kvchecksum.scheduler import transfer_layouts
+            from vllm_kvchecksum.engine.scheduler import transfer_layouts
 
             self._layouts = transfer_layouts(self._vllm_config, self._kv_cache_config)
         return self._layouts

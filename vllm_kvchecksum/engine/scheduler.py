@@ -34,15 +34,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvchecksum.blocks import GroupLayout, group_blocks, request_blocks
-from vllm_kvchecksum.carrier import KV_TRANSFER_PARAMS_KEY, KVChecksumCarrier
-from vllm_kvchecksum import incident, metrics
-from vllm_kvchecksum.compare import (CheckStatus, LoadVerdict, ProducerSum, UnverifiedReason, compare_load,
+from vllm_kvchecksum.core.blocks import GroupLayout, group_blocks, request_blocks
+from vllm_kvchecksum.engine.carrier import KV_TRANSFER_PARAMS_KEY, KVChecksumCarrier
+from vllm_kvchecksum.engine import incident, metrics
+from vllm_kvchecksum.core.compare import (CheckStatus, LoadVerdict, ProducerSum, UnverifiedReason, compare_load,
                                      format_positions, sum_producer)
-from vllm_kvchecksum.offload import OFFLOADED_SOURCE, compare_offloaded
-from vllm_kvchecksum.payload import KVChecksumPayload, max_encoded_size, max_packed_size
-from vllm_kvchecksum.recheck import RecheckResult, RecheckStatus, recheck
-from vllm_kvchecksum.records import (KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord, KVChecksumScheduled,
+from vllm_kvchecksum.engine.offload import OFFLOADED_SOURCE, compare_offloaded
+from vllm_kvchecksum.core.payload import KVChecksumPayload, max_encoded_size, max_packed_size
+from vllm_kvchecksum.engine.recheck import RecheckResult, RecheckStatus, recheck
+from vllm_kvchecksum.core.records import (KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord, KVChecksumScheduled,
                                      RecordPurpose)
 
 if TYPE_CHECKING:

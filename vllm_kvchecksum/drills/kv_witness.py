@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from vllm_kvchecksum.faults import byte_blocks
+from vllm_kvchecksum.drills.faults import byte_blocks
 
 __all__ = ["DIGEST_CHARS", "head_digests", "state_block_digests", "differing_positions", "key_position"]
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from vllm_kvchecksum.pieces import CachePieces, PieceGeometry
+    from vllm_kvchecksum.core.pieces import CachePieces, PieceGeometry
 
 # Upper bound on the KV gathered at once, per cache tensor, on any device.
 # Read at call time, so tests can shrink it.

@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vllm_kvchecksum.payload import KVChecksumPayload, PayloadGroup
-from vllm_kvchecksum.records import GroupChecksums, KVChecksumRecord
+from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
+from vllm_kvchecksum.core.records import GroupChecksums, KVChecksumRecord
 
 _MOD = 2**64
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vllm_kvchecksum.records import GroupBlocks
+from vllm_kvchecksum.core.records import GroupBlocks
 
 
 @dataclass(frozen=True)
