@@ -39,7 +39,7 @@ def test_no_error_no_raise():
 
 
 def test_the_reason_names_at_most_32_positions_per_group():
-    from vllm_kvchecksum.core.compare import CheckStatus, GroupVerdict, LoadVerdict
+    from vllm_kvchecksum.core.verdicts import CheckStatus, GroupVerdict, LoadVerdict
     from vllm_kvchecksum.engine.scheduler import client_reason
 
     verdict = LoadVerdict("r", CheckStatus.MISMATCH, groups={
@@ -53,7 +53,7 @@ def test_the_reason_names_at_most_32_positions_per_group():
 
 def _unverified(*keys, source="producer"):
     """An unverified verdict: one key is the load's own reason, more are its groups' reasons."""
-    from vllm_kvchecksum.core.compare import CheckStatus, GroupVerdict, LoadVerdict, UnverifiedReason
+    from vllm_kvchecksum.core.verdicts import CheckStatus, GroupVerdict, LoadVerdict, UnverifiedReason
 
     if len(keys) == 1:
         return LoadVerdict("r", CheckStatus.UNVERIFIED, reason_key=UnverifiedReason(keys[0]), source=source)

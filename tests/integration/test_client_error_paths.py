@@ -37,7 +37,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from vllm_kvchecksum.core.compare import CheckStatus, LoadVerdict, UnverifiedReason
+from vllm_kvchecksum.core.verdicts import CheckStatus, LoadVerdict, UnverifiedReason
 from vllm_kvchecksum.engine.scheduler import KV_CHECKSUM_ERROR_PREFIX, client_reason
 
 MODEL = "kvcs-test-model"

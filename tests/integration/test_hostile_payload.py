@@ -551,7 +551,8 @@ def test_bytes_just_over_the_requests_bound_are_refused():
 
 @pytest.mark.parametrize("claimed", [True, 1.0, "1"])
 def test_a_connector_tp_size_of_another_type_is_not_taken_for_the_payloads(claimed):
-    from vllm_kvchecksum.core.compare import UnverifiedReason, compare_load
+    from vllm_kvchecksum.core.compare import compare_load
+    from vllm_kvchecksum.core.verdicts import UnverifiedReason
 
     payload = KVChecksumPayload(num_tokens=16, producer_tp_size=1, groups={})
     verdict = compare_load(payload, [], "r", 1, {}, 16, producer_tp_size=claimed)

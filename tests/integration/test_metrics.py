@@ -17,7 +17,7 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import RequestStatus
 
 from vllm_kvchecksum.engine import metrics
-from vllm_kvchecksum.core.compare import UnverifiedReason
+from vllm_kvchecksum.core.verdicts import UnverifiedReason
 from vllm_kvchecksum.engine.metrics import KVChecksumProm
 
 BS = 16

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_kvchecksum.core import compare as compare_module
-from vllm_kvchecksum.core.compare import (CheckStatus, ConsumerGroupBlocks, LoadVerdict,
-                                     UnverifiedReason, compare_load, sum_producer)
+from vllm_kvchecksum.core.compare import ConsumerGroupBlocks, compare_load, sum_producer
+from vllm_kvchecksum.core.verdicts import CheckStatus, LoadVerdict, UnverifiedReason
 from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
 from vllm_kvchecksum.core.records import GroupChecksums, KVChecksumRecord
 

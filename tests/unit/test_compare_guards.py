@@ -27,7 +27,9 @@ import pytest
 from test_compare import (MODEL, REQ, Corruption, Side, assert_unverified, block_sums, consume, produce,
                           side_records, transfer)
 
-from vllm_kvchecksum.core.compare import CheckStatus, UnverifiedReason, sum_producer
+from vllm_kvchecksum.core.compare import sum_producer
+
+from vllm_kvchecksum.core.verdicts import CheckStatus, UnverifiedReason
 from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
 
 

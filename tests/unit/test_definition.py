@@ -7,10 +7,10 @@ import torch
 import reference
 from vllm_kvchecksum import layer_block_checksums
 from vllm_kvchecksum.core.definition import (MAX_KV_HEADS_PER_LAYER, PIECE_BYTES,
-                                        as_uint64, piece_weight,
-                                        pieces_per_cell, slice_factor,
-                                        slice_factor_base, to_int64,
-                                        valid_token_slots)
+                                             as_uint64, piece_weight,
+                                             pieces_per_cell, slice_factor,
+                                             slice_factor_base, to_int64,
+                                             valid_token_slots)
 
 # docs/definition.md's worked example: 2 layers, 2 KV heads, 2 tokens per
 # block, 16-byte cells (2 pieces per token and head). Piece j of the slice

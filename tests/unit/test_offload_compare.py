@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_kvchecksum.core.compare import CheckStatus, UnverifiedReason
+from vllm_kvchecksum.core.verdicts import CheckStatus, UnverifiedReason
 from vllm_kvchecksum.engine.offload import block_checksum_tags, block_hash_words, compare_offloaded
 from vllm_kvchecksum.core.records import GroupChecksums, KVChecksumRecord
 

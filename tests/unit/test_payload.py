@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from vllm_kvchecksum.core import payload as payload_module
 from vllm_kvchecksum.core.payload import (MAX_GROUPS, MAX_PAYLOAD_BYTES, MAX_TOKENS, PAYLOAD_VERSION,
-                                     KVChecksumPayload, PayloadGroup, max_encoded_size, max_packed_size)
+                                          KVChecksumPayload, PayloadGroup, max_encoded_size, max_packed_size)
 
 FUZZ = settings(max_examples=150, deadline=None,
                 # The codec fixture only picks a module: nothing to reset per example.
@@ -441,7 +441,7 @@ ALLOWED_IMPORTS = {"__future__", "base64", "pybase64", "binascii", "operator", "
                    "enum", "collections", "msgpack", "numpy", "vllm_kvchecksum"}
 
 
-@pytest.mark.parametrize("module", ["payload.py", "compare.py"])
+@pytest.mark.parametrize("module", ["payload.py", "compare.py", "verdicts.py"])
 def test_module_imports_no_vllm(module):
     path = os.path.join(os.path.dirname(payload_module.__file__), module)
     tree = ast.parse(open(path).read())
@@ -453,7 +453,7 @@ def test_module_imports_no_vllm(module):
             imported.add(node.module)
     assert {name.split(".")[0] for name in imported} <= ALLOWED_IMPORTS
     local = {name for name in imported if name.startswith("vllm_kvchecksum")}
-    assert local <= {"vllm_kvchecksum.core.payload", "vllm_kvchecksum.core.records"}
+    assert local <= {"vllm_kvchecksum.core.payload", "vllm_kvchecksum.core.records", "vllm_kvchecksum.core.verdicts"}
 
 
 # -- the bound a request puts on its payload ---------------------------------

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 from test_offload_compare import FP, HASHES, _compare, _record
 
-from vllm_kvchecksum.core.compare import CheckStatus, UnverifiedReason, compare_load
+from vllm_kvchecksum.core.compare import compare_load
+
+from vllm_kvchecksum.core.verdicts import CheckStatus, UnverifiedReason
 from vllm_kvchecksum.engine.offload import block_checksum_tags
 from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
 from vllm_kvchecksum.core.records import GroupChecksums, KVChecksumRecord

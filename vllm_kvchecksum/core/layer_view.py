@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from vllm_kvchecksum.core.definition import (MAX_KV_HEADS_PER_LAYER, PIECE_BITS,
-                                        PIECE_BITS_SUPPORTED, slice_factor_base)
+                                             PIECE_BITS_SUPPORTED, slice_factor_base)
 from vllm_kvchecksum.core.pieces import CachePieces
 
 LAYOUTS = ("HND", "NHD")

@@ -80,7 +80,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_kvchecksum.core.compare import UnverifiedReason
+from vllm_kvchecksum.core.verdicts import UnverifiedReason
 
 # The stats keys: a name, or "name/label value" for labelled counters.
 VERIFIED = "loads_verified"

@@ -32,9 +32,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from vllm_kvchecksum.core.compare import (CheckStatus, GroupVerdict, LoadVerdict, UnverifiedReason, _as_uint64,
-                                     _check_reported_blocks, _load_unverified, _reports_by_worker, _worker_name)
+from vllm_kvchecksum.core.compare import (_as_uint64, _check_reported_blocks, _load_unverified, _reports_by_worker,
+                                          _worker_name)
 from vllm_kvchecksum.core.records import KVChecksumRecord
+from vllm_kvchecksum.core.verdicts import CheckStatus, GroupVerdict, LoadVerdict, UnverifiedReason
 
 # Where an offloaded load's reference comes from, in verdicts and logs.
 OFFLOADED_SOURCE = "offloaded"

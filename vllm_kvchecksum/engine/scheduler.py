@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING, Any
 from vllm_kvchecksum.core.blocks import GroupLayout, group_blocks, request_blocks
 from vllm_kvchecksum.engine.carrier import KV_TRANSFER_PARAMS_KEY, KVChecksumCarrier
 from vllm_kvchecksum.engine import incident, metrics
-from vllm_kvchecksum.core.compare import (CheckStatus, LoadVerdict, ProducerSum, UnverifiedReason, compare_load,
-                                     format_positions, sum_producer)
+from vllm_kvchecksum.core.compare import ProducerSum, compare_load, sum_producer
+from vllm_kvchecksum.core.verdicts import CheckStatus, LoadVerdict, UnverifiedReason, format_positions
 from vllm_kvchecksum.engine.offload import OFFLOADED_SOURCE, compare_offloaded
 from vllm_kvchecksum.core.payload import KVChecksumPayload, max_encoded_size, max_packed_size
 from vllm_kvchecksum.engine.recheck import RecheckResult, RecheckStatus, recheck
 from vllm_kvchecksum.core.records import (KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord, KVChecksumScheduled,
-                                     RecordPurpose)
+                                          RecordPurpose)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

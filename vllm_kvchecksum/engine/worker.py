@@ -26,7 +26,7 @@ import torch
 from vllm_kvchecksum.engine.group_plan import GroupPlan, TPPosition, plan_groups
 from vllm_kvchecksum.core.host_copy import PendingHostCopy, new_copy_stream
 from vllm_kvchecksum.core.records import (GroupChecksums, KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord,
-                                     RecordPurpose)
+                                          RecordPurpose)
 from vllm_kvchecksum.engine.offload import block_checksum_tags
 from vllm_kvchecksum.core.rows import BLOCK_IDS, RequestBlocks, build_rows
 
