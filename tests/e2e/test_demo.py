@@ -120,15 +120,26 @@ def test_each_injection_is_detected_at_its_positions(demo):
             assert ph["false_mismatches"] == 0
 
 
+def failed_checks(ph) -> int:
+    """The phase's loads whose check failed. A producer_flip_bit load the
+    consumer read before the flip landed holds good KV and verifies, rightly
+    (the demo's judge; the producer's re-check still finds the flip): how
+    often depends on the machine's timing, so it is counted, not assumed."""
+    if ph["phase"] in ("clean", "change_tail"):
+        return 0
+    if ph["phase"] == PRODUCER_FLIP:
+        return sum(inj["verdict"] != "verified" for inj in ph["injections"])
+    return ph["requests"]
+
+
 def test_policies_on_real_servers(demo):
     _, report, _ = demo
     by_policy = {s["policy"]: s for s in report["setups"]}
     for ph in by_policy["fail"]["phases"]:
-        failing = ph["phase"] not in ("clean", "change_tail")
         # fail: the client gets an error naming the KV checksum failure.
-        assert ph["http_errors"] == (ph["requests"] if failing else 0), ph
+        assert ph["http_errors"] == failed_checks(ph), ph
         for inj in ph["injections"]:
-            if not failing:
+            if ph["phase"] in ("clean", "change_tail") or inj["verdict"] == "verified":
                 assert inj["status"] == 200, inj
             else:
                 # A mismatch may go away when retried (503, retryable);
@@ -144,9 +155,8 @@ def test_policies_on_real_servers(demo):
             assert ph["outputs_equal"] == ph["requests"], ph
         # Gemma-2 with the hybrid manager has two KV cache groups: vLLM rolls
         # a failed load back to its first token (docs/e2e.md).
-        failed = ph["phase"] not in ("clean", "change_tail")
-        assert ph["metrics"].get("loads_recomputed/whole_prompt", 0) == (ph["requests"] if failed else 0), ph
-        assert total(ph["metrics"], "loads_recomputed") == (ph["requests"] if failed else 0), ph
+        assert ph["metrics"].get("loads_recomputed/whole_prompt", 0) == failed_checks(ph), ph
+        assert total(ph["metrics"], "loads_recomputed") == failed_checks(ph), ph
     for ph in by_policy["open"]["phases"]:
         # fail-open: the output is returned, and the mismatch counted.
         assert ph["http_errors"] == 0 and ph["outputs"] == ph["requests"], ph
