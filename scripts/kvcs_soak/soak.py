@@ -33,6 +33,7 @@ build/soak/report.json (docs/soak.md), exits non-zero when a check fails.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import platform
@@ -50,6 +51,7 @@ import httpx
 
 from kvcs_demo import prom
 from kvcs_demo.demo import checksum_counts, completion, diff
+from kvcs_demo.proxy import PushTarget, parse_push_target
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import (BLOCK_SIZE, CONNECTORS, MAX_MODEL_LEN, MODES, MOONCAKE_PROTOCOL, ROOT, Setup,
                               make_models, mooncake_bootstrap, producer_engine_id, push_target, server_argv,
@@ -145,6 +147,8 @@ def send(client: httpx.Client, urls: dict[str, str], req: Planned) -> Answer:
     timeout = req.disconnect_after_s or REQUEST_TIMEOUT_S
     t0 = time.monotonic()
     url, headers = f"{urls['proxy']}/v1/completions", {"X-Request-Id": f"soak-{req.index}"}
+    if req.abort_in_transfer and urls.get("push") is not None:
+        return abort_push_write(client, urls, req, body, t0)
     try:
         if req.abort_in_transfer:
             # The proxy's two legs, run here: the consumer's leg is cut short.
@@ -173,6 +177,33 @@ def send(client: httpx.Client, urls: dict[str, str], req: Planned) -> Answer:
         except ValueError:
             error = r.text[:300]
     return Answer(req.index, r.status_code, error, False, time.monotonic() - t0)
+
+
+def abort_push_write(client: httpx.Client, urls: dict, req: Planned, body: dict, t0: float) -> Answer:
+    """Push mode's abort while the WRITE is in flight: the proxy's two legs,
+    run here at once under one X-Request-Id (the producer pairs the consumer's
+    registration with its request by that id). The consumer's leg is cut
+    `disconnect_after_s` (short) after the producer answered, which is when
+    the producer's writer starts the WRITE into the consumer's blocks."""
+    rid = f"soak-{req.index}"
+    push: PushTarget = urls["push"]
+    host, port = urls["consumer"].removeprefix("http://").rsplit(":", 1)
+    decode = dict(body, kv_transfer_params=push.decode_params(rid))
+    prefill = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    conn = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT_S)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(decode),
+                     headers={"Content-Type": "application/json", "X-Request-Id": rid})
+        p = client.post(f"{urls['producer']}/v1/completions", json=prefill, headers={"X-Request-Id": rid},
+                        timeout=REQUEST_TIMEOUT_S)
+        if p.status_code != 200:
+            return Answer(req.index, p.status_code, f"prefill leg: {p.text[:300]}", False, time.monotonic() - t0)
+        time.sleep(req.disconnect_after_s or 0.0)
+    except (OSError, httpx.HTTPError) as exc:
+        return Answer(req.index, None, f"{type(exc).__name__}: {exc}", False, time.monotonic() - t0)
+    finally:
+        conn.close()  # the client hangs up on the consumer's leg
+    return Answer(req.index, None, None, True, time.monotonic() - t0)
 
 
 def read_stream(client: httpx.Client, url: str, body: dict, headers: dict, req: Planned, t0: float) -> Answer:
@@ -809,7 +840,8 @@ def parse_args(argv=None):
     p.add_argument("--disconnect-rate", type=float, default=0.1,
                    help="share of clients that hang up at a random point (default 0.1)")
     p.add_argument("--abort-rate", type=float, default=0.05,
-                   help="share of clients that hang up as their consumer leg starts, mid-transfer (default 0.05)")
+                   help="share of clients that hang up mid-transfer: pull, as their consumer leg starts; push, "
+                        "as the producer answers and WRITEs (default 0.05; Mooncake: none)")
     p.add_argument("--min-clean", type=int, default=500, help="clean loads the run must judge (default 500)")
     p.add_argument("--mode", choices=MODES, default="pull",
                    help="the connector of both servers: NIXL pull (default), NIXL push, Mooncake P2P")
@@ -863,10 +895,10 @@ def main(argv=None) -> int:
     model = args.model_path or soak_model(args.model)
     setup = soak_setup(args, model)
     specs = server_specs(setup, args, work)
-    # Mid-transfer aborts need the pull legs (the client runs them itself);
-    # in push and Mooncake mode the proxy's legs run at once.
+    # Mid-transfer aborts run the proxy's legs in the client: pull's one after
+    # the other, push's at once (abort_push_write); Mooncake's are not run.
     planned = plan_traffic(args.requests, args.seed, disconnect_rate=args.disconnect_rate,
-                           abort_rate=args.abort_rate if args.mode == "pull" else 0.0)
+                           abort_rate=args.abort_rate if args.mode in ("pull", "push") else 0.0)
     with ProcessGroup() as group:
         servers = {side: group.start(spec) for side, spec in specs.items()}
         proxy_port = free_port_block(1)
@@ -893,7 +925,8 @@ def main(argv=None) -> int:
             log(f"{phase}: {len(part)} requests" + (f", consumer stalls {args.stall_rate:.0%} x {args.stall_s:g} s"
                                                     if race else "") +
                 (f"; the producer is killed with a sixth of them sent, and restarted" if phase == "death" else ""))
-            traffic_urls = {"proxy": proxy.url, **setup.urls, "streams": args.proxy == "vllm"}
+            traffic_urls = {"proxy": proxy.url, **setup.urls, "streams": args.proxy == "vllm",
+                            "push": parse_push_target(push_target(setup))[1] if args.mode == "push" else None}
             if phase == "death":
                 got: list = []
                 enough = threading.Event()
