@@ -51,7 +51,7 @@ import httpx
 
 from kvcs_demo import prom
 from kvcs_demo.demo import checksum_counts, completion, diff
-from kvcs_demo.proxy import PushTarget, parse_push_target
+from kvcs_demo.proxy import Proxy, PushTarget, parse_push_target
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import (BLOCK_SIZE, CONNECTORS, MAX_MODEL_LEN, MODES, MOONCAKE_PROTOCOL, ROOT, Setup,
                               make_models, mooncake_bootstrap, producer_engine_id, push_target, server_argv,
@@ -152,8 +152,7 @@ def send(client: httpx.Client, urls: dict[str, str], req: Planned) -> Answer:
     try:
         if req.abort_in_transfer:
             # The proxy's two legs, run here: the consumer's leg is cut short.
-            prefill = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True,
-                                                                    "do_remote_prefill": False})
+            prefill = Proxy._prefill_request(body)
             p = client.post(f"{urls['producer']}/v1/completions", json=prefill, timeout=REQUEST_TIMEOUT_S,
                             headers={"X-Request-Id": f"soak-{req.index}-prefill"})
             params = p.json().get("kv_transfer_params") if p.status_code == 200 else None
@@ -189,7 +188,7 @@ def abort_push_write(client: httpx.Client, urls: dict, req: Planned, body: dict,
     push: PushTarget = urls["push"]
     host, port = urls["consumer"].removeprefix("http://").rsplit(":", 1)
     decode = dict(body, kv_transfer_params=push.decode_params(rid))
-    prefill = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    prefill = Proxy._prefill_request(body)  # the proxy's own producer leg
     conn = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT_S)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps(decode),
