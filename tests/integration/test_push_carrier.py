@@ -23,8 +23,10 @@ is the real one.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import os
 import queue
 import subprocess
 import sys
@@ -33,13 +35,12 @@ from collections import defaultdict
 from pathlib import Path
 from unittest.mock import MagicMock, patch
 
-import base64
-
 import msgpack
 import msgspec
+import numpy as np
 import pytest
-from pd_harness import (CONNECTORS, carrier_request, load, make_request, make_side, prefill, prompt_of, runner_step,
-                        scheduler_connector, stats)
+from pd_harness import (CONNECTORS, carrier_request, forward_of, load, make_request, make_side, prefill, prompt_of,
+                        runner_step, scheduler_connector, stats)
 from test_verified_loads import PROMPT, nested
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import push_worker
@@ -51,8 +52,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
 from vllm_kvchecksum.engine.carrier import KVChecksumCarrier
-from vllm_kvchecksum.core.payload import KVChecksumPayload
+from vllm_kvchecksum.engine.runner import checksum_step
+from vllm_kvchecksum.engine.scheduler import _carrier_name
 
 PUSH = "NixlPushConnector"
 
@@ -97,10 +100,6 @@ def transfer_results(w: NixlPushConnectorWorker) -> KVConnectorTransferResults:
 
 
 def payload_bytes(seed: int = 1) -> bytes:
-    import numpy as np
-
-    from vllm_kvchecksum.core.payload import PayloadGroup
-
     values = np.arange(5, dtype=np.uint64) * 1_000_003 + seed
     return KVChecksumPayload(num_tokens=77, producer_tp_size=1,
                              groups={0: PayloadGroup(fingerprint=3, block_size=16, start=0, values=values)}
@@ -112,8 +111,6 @@ def payload_bytes(seed: int = 1) -> bytes:
 def test_producer_scheduler_ships_checksums_with_the_finished_blocks():
     P = make_side("kv_producer", connector=PUSH, fail_closed=True)
     req = None
-    from pd_harness import forward_of, make_request
-
     req = make_request(prompt_of(77), remote_decode=True)
     P.scheduler.add_request(req)
     forward = forward_of(P, req)
@@ -135,8 +132,6 @@ def test_producer_scheduler_ships_checksums_with_the_finished_blocks():
 
 
 def test_aborted_producer_request_keeps_and_ships_nothing():
-    from pd_harness import forward_of, make_request
-
     P = make_side("kv_producer", connector=PUSH, fail_closed=True)
     req = make_request(prompt_of(77), remote_decode=True)
     req.max_tokens = 4  # still running after its prompt's step
@@ -153,8 +148,6 @@ def test_aborted_producer_request_keeps_and_ships_nothing():
 
 def test_send_kv_checksums_refuses_a_request_with_nothing_to_push():
     P = make_side("kv_producer", connector=PUSH)
-    from pd_harness import make_request
-
     req = make_request(prompt_of(16), remote_decode=True)
     assert P.scheduler.connector.send_kv_checksums(req, b"x") is False
     assert P.scheduler.connector.connector_scheduler._newly_finished_kv_checksums == {}
@@ -284,8 +277,6 @@ def test_notif_whose_checksums_do_not_decode_still_completes_its_load(notif, cap
     """The request id and TP size are read without the checksums: the load
     completes (it would otherwise wait forever, holding its blocks) with
     empty checksums, which the scheduler finds invalid (unverified)."""
-    import os
-
     if os.environ.get("KVCS_VLLM_TREE") and not hasattr(push_worker, "_kv_checksum_notif_head"):
         pytest.skip("make check-series: a later patch of the series reads an unreadable notif's id")
     consumer = consumer_loading("d")
@@ -349,8 +340,6 @@ class _Child:
         return self.sends
 
     def get_transfer_results(self, finished_req_ids):
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
         return self.results or KVConnectorTransferResults()
 
 
@@ -366,8 +355,6 @@ def test_multi_connector_sends_through_the_carrying_child(multi):
 
 
 def test_multi_connector_merges_childrens_checksums(multi):
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
     multi._connectors = [
         _Child(None, results=KVConnectorTransferResults(finished_recving={"a"}, kv_checksums={"a": b"1"})),
         _Child(None, results=KVConnectorTransferResults(finished_recving={"b"},
@@ -379,8 +366,6 @@ def test_multi_connector_merges_childrens_checksums(multi):
 
 
 def test_startup_line_names_the_push_carrier():
-    from vllm_kvchecksum.engine.scheduler import _carrier_name
-
     assert _carrier_name(connector("NixlPushConnector")) == "connector"
 
 
@@ -419,8 +404,6 @@ def test_malformed_connector_checksums_never_raise(bad, logs):
 
 def changed_value(payload: bytes) -> bytes:
     """The payload with block position 2 of group 0 changed."""
-    from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
-
     decoded = KVChecksumPayload.from_bytes(payload)
     group = decoded.groups[0]
     values = group.values.copy()
@@ -440,18 +423,9 @@ def test_only_the_first_workers_copy_of_connector_checksums_counts(logs, copies,
     P = make_side("kv_producer", connector=CONNECTORS["push"], tp=2)
     C = make_side("kv_consumer", connector=CONNECTORS["push"], tp=tp, pp=pp)
     assert [(w.checksums.pp_rank, w.checksums.tp_rank) for w in C.workers][0] == (0, 0)
-    preq, params = prefill(P, prompt_of(PROMPT))
-    payloads = {"good": params.pop("kv_checksums")}
-    payloads["wrong"] = changed_value(payloads["good"])
-    from pd_harness import make_request
-
-    req = make_request(preq.prompt_token_ids, params=params, block_size=C.block_size)
-    C.scheduler.add_request(req)
-    C.step()
-    C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
+    req, good = push_load_awaiting_checksums(C, P)
+    payloads = {"good": good, "wrong": changed_value(good)}
     out = C.scheduler.schedule()
-    from vllm_kvchecksum.engine.runner import checksum_step
-
     outputs, carried = [], []
     for w, copy in zip(C.workers, copies):
         received = {req.request_id: payloads[copy]} if copy else None
@@ -471,11 +445,37 @@ def test_received_checksums_of_a_params_carried_load_are_ignored(logs):
     C = make_side("kv_consumer", fail_closed=True)
     preq, params = prefill(P, prompt_of(PROMPT))
     wrong = changed_value(base64.b64decode(params["kv_checksums"]))
-    from pd_harness import make_request
-
     req = make_request(preq.prompt_token_ids, params=dict(params), block_size=C.block_size)
     C.scheduler.add_request(req)
     C.step()
     C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
     C.step(finished_recving={req.request_id}, received={req.request_id: wrong})
     assert stats(C) == {"verified": 1}, logs.text
+
+
+def push_load_awaiting_checksums(C, P, seed: int = 0):
+    """A push load whose blocks the consumer has scheduled and whose KV the
+    producer wrote, not yet reported finished: (request, the producer's
+    checksums as a connector-owned carrier delivers them)."""
+    preq, params = prefill(P, prompt_of(PROMPT, seed=seed))
+    payload = params.pop("kv_checksums")
+    req = make_request(preq.prompt_token_ids, params=dict(params), block_size=C.block_size)
+    C.scheduler.add_request(req)
+    C.step()
+    C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
+    return req, payload
+
+
+@pytest.mark.parametrize("first, later, verdict", [("good", "wrong", "verified"), ("wrong", "good", "mismatch")])
+def test_a_copy_delivered_in_a_later_step_does_not_replace_the_first(logs, first, later, verdict):
+    """The carrier's copy can arrive a step before the load is reported
+    finished (one rank's notif came, another's not yet); a copy delivered
+    later (a repeated notif) changes nothing: the first one decides."""
+    P = make_side("kv_producer", connector=CONNECTORS["push"])
+    C = make_side("kv_consumer", connector=CONNECTORS["push"], fail_closed=True, policy="recompute")
+    req, good = push_load_awaiting_checksums(C, P)
+    payloads = {"good": good, "wrong": changed_value(good)}
+    C.step(received={req.request_id: payloads[first]})
+    assert stats(C) == {}, logs.text
+    C.step(finished_recving={req.request_id}, received={req.request_id: payloads[later]})
+    assert stats(C) == {verdict: 1}, logs.text
