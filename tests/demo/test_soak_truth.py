@@ -190,7 +190,7 @@ def test_only_failures_while_the_producer_was_down_are_excused():
                soak.Answer(1, 502, "prefill leg unreachable", False, 1.0, started_s=12.0),   # while down
                soak.Answer(2, 500, "Internal server error", False, 4.0, started_s=8.0),      # in flight at the kill
                soak.Answer(3, 500, "Internal server error", False, 1.0, started_s=30.0)]     # after it came back
-    args = SimpleNamespace(min_clean=0, proxy="project")
+    args = SimpleNamespace(min_clean=0, min_judged=0, proxy="project")
     counts = {"consumer": {"preemptions": 1}, "producer": {"finished": 0}}
     rss = {"wave1": {"producer": 1.0}, "wave2": {"producer": 1.0}}
     report = soak.build_report(args, answers, planned, counts, [], 0, {"producer": True}, rss, 1.0, death=(10.0, 20.0))
@@ -202,7 +202,7 @@ def test_only_failures_while_the_producer_was_down_are_excused():
     # after the lease + 60 s, and the requests queued behind it fail too.
     # The window ends 5 + 60 s after the producer was healthy again (at 20).
     def unexpected(mode, started_s):
-        args = SimpleNamespace(min_clean=0, proxy="project", mode=mode, lease_s=5.0)
+        args = SimpleNamespace(min_clean=0, min_judged=0, proxy="project", mode=mode, lease_s=5.0)
         late = answers[:3] + [soak.Answer(3, 500, "Internal server error", False, 1.0, started_s=started_s)]
         report = soak.build_report(args, late, planned, counts, [], 0, {"producer": True}, rss, 1.0,
                                    death=(10.0, 20.0))
@@ -216,10 +216,11 @@ def test_the_report_fails_without_preemption_and_with_an_unexplained_error_or_to
     planned = soak.plan_traffic(2, seed=1)
     rss = {"wave1": {"consumer": 1.0}, "wave2": {"consumer": 1.0}}
 
-    def report(consumer_preempted, producer_preempted, answers, min_clean=0):
+    def report(consumer_preempted, producer_preempted, answers, min_clean=0, min_judged=0, truths=None):
         counts = {"consumer": {"preemptions": consumer_preempted}, "producer": {"preemptions": producer_preempted}}
-        return soak.build_report(SimpleNamespace(min_clean=min_clean, proxy="project"), answers, planned, counts,
-                                 [truth.LoadTruth("cmpl-soak-0-x", "clean")], 0, {"consumer": True}, rss, 1.0)
+        truths = truths or [truth.LoadTruth("cmpl-soak-0-x", "clean")]
+        return soak.build_report(SimpleNamespace(min_clean=min_clean, min_judged=min_judged, proxy="project"),
+                                 answers, planned, counts, truths, 0, {"consumer": True}, rss, 1.0)
 
     ok = [soak.Answer(0, 200, None, False, 1.0), soak.Answer(1, 200, None, False, 1.0)]
     assert report(0, 2, ok)["ok"] and report(3, 0, ok)["ok"]
@@ -229,6 +230,17 @@ def test_the_report_fails_without_preemption_and_with_an_unexplained_error_or_to
     mismatch = [ok[0], soak.Answer(1, 503, "kv_checksum_mismatch: ...", False, 1.0)]
     assert report(1, 0, mismatch)["ok"]
     assert any("clean loads" in f for f in report(1, 0, ok, min_clean=2)["failures"])
+    # The floor on judged loads counts victims with the clean ones (a slow
+    # machine's lease expiries turn clean loads into victims), nothing else.
+    caught = truth.LoadTruth("cmpl-soak-1-x", "victim", {0: [1]}, "mismatch")
+    both = [truth.LoadTruth("cmpl-soak-0-x", "clean"), caught]
+    assert report(1, 0, ok, min_judged=2, truths=both)["ok"]
+    assert report(1, 0, ok, min_clean=1, min_judged=2, truths=both)["ok"]
+    failed = truth.LoadTruth("cmpl-soak-1-y", "load_failed")
+    assert report(1, 0, ok, min_judged=2, truths=[both[0], failed])["ok"]
+    unknown = [both[0], truth.LoadTruth("cmpl-soak-1-x", "unknown")]
+    assert any("2 needed" in f for f in report(1, 0, ok, min_judged=2, truths=unknown)["failures"])
+    assert any("clean loads" in f for f in report(1, 0, ok, min_clean=1, truths=[caught])["failures"])
 
 
 def test_state_held_after_the_traffic_is_a_leak():
@@ -238,7 +250,7 @@ def test_state_held_after_the_traffic_is_a_leak():
     ok = [soak.Answer(0, 200, None, False, 1.0)]
 
     def report(held):
-        return soak.build_report(SimpleNamespace(min_clean=0, proxy="project"), ok, planned, counts,
+        return soak.build_report(SimpleNamespace(min_clean=0, min_judged=0, proxy="project"), ok, planned, counts,
                                  [truth.LoadTruth("cmpl-soak-0-x", "clean")], 0, {"consumer": True}, rss, 1.0,
                                  held=held)
 
@@ -456,7 +468,7 @@ def test_rss_growing_in_the_second_wave_beyond_the_limit_is_a_leak():
     def report(consumer_wave2, producer_wave2):
         rss = {"wave1": {"consumer": 2000.0, "producer": 2000.0},
                "wave2": {"consumer": consumer_wave2, "producer": producer_wave2}}
-        return soak.build_report(SimpleNamespace(min_clean=0, proxy="project"), ok, planned, counts,
+        return soak.build_report(SimpleNamespace(min_clean=0, min_judged=0, proxy="project"), ok, planned, counts,
                                  [truth.LoadTruth("cmpl-soak-0-x", "clean")], 0, {"consumer": True}, rss, 1.0)
 
     limit = 2000.0 * (1 + soak.RSS_GROWTH_LIMIT)
@@ -472,3 +484,10 @@ def test_the_producers_death_is_on_by_default_in_every_mode_and_off_in_ci():
     assert all(soak.parse_args(["--mode", mode]).kill_producer for mode in ("pull", "push", "mooncake"))
     assert not soak.parse_args(["--mode", "push", "--no-kill-producer"]).kill_producer
     assert not soak.parse_args(["--ci"]).kill_producer
+
+
+def test_the_judged_floor_is_half_the_requests_unless_given():
+    assert soak.parse_args(["--ci"]).min_judged == 150
+    assert soak.parse_args(["--requests", "151"]).min_judged == 75
+    assert soak.parse_args(["--ci", "--min-judged", "7"]).min_judged == 7
+    assert soak.parse_args([]).min_clean == 1
