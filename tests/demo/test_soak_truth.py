@@ -241,6 +241,13 @@ def test_the_report_fails_without_preemption_and_with_an_unexplained_error_or_to
     unknown = [both[0], truth.LoadTruth("cmpl-soak-1-x", "unknown")]
     assert any("2 needed" in f for f in report(1, 0, ok, min_judged=2, truths=unknown)["failures"])
     assert any("clean loads" in f for f in report(1, 0, ok, min_clean=1, truths=[caught])["failures"])
+    # A missed victim was still judged (the miss is its own failure), and an
+    # unknown load is left out once, not twice.
+    missed = truth.LoadTruth("cmpl-soak-1-x", "victim", {0: [1]}, "verified_or_other")
+    failures = report(1, 0, ok, min_judged=2, truths=[both[0], missed])["failures"]
+    assert any("not reported mismatched" in f for f in failures)
+    assert not any("judged against" in f for f in failures)
+    assert report(1, 0, ok, min_judged=2, truths=[both[0], both[0], unknown[1]])["ok"]
 
 
 def test_state_held_after_the_traffic_is_a_leak():
@@ -491,3 +498,7 @@ def test_the_judged_floor_is_half_the_requests_unless_given():
     assert soak.parse_args(["--requests", "151"]).min_judged == 75
     assert soak.parse_args(["--ci", "--min-judged", "7"]).min_judged == 7
     assert soak.parse_args([]).min_clean == 1
+    assert soak.parse_args(["--min-judged", "0"]).min_judged == 0
+    assert soak.parse_args(["--ci", "--min-judged", "0"]).min_judged == 0
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--min-judged", "7.5"])

@@ -438,19 +438,38 @@ def test_only_the_first_workers_copy_of_connector_checksums_counts(logs, copies,
     assert stats(C) == {verdict: 1}, logs.text
 
 
-def test_received_checksums_of_a_params_carried_load_are_ignored(logs):
+@pytest.mark.parametrize("params_carry, verdict", [("checksums", "verified"), ("none", "unverified")])
+def test_received_checksums_of_a_params_carried_load_are_ignored(logs, params_carry, verdict):
     """A pull load compares with its kv_transfer_params; bytes a worker
-    reports for it (a misbehaving connector) change nothing."""
+    reports for it (a misbehaving connector) change nothing, also when the
+    params carried no checksums (the load stays unverified, never verified
+    by bytes it was not meant to take)."""
     P = make_side("kv_producer")
     C = make_side("kv_consumer", fail_closed=True)
     preq, params = prefill(P, prompt_of(PROMPT))
-    wrong = changed_value(base64.b64decode(params["kv_checksums"]))
+    good = base64.b64decode(params["kv_checksums"])
+    received = changed_value(good)
+    if params_carry == "none":
+        del params["kv_checksums"]
+        received = good
     req = make_request(preq.prompt_token_ids, params=dict(params), block_size=C.block_size)
     C.scheduler.add_request(req)
     C.step()
     C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
-    C.step(finished_recving={req.request_id}, received={req.request_id: wrong})
-    assert stats(C) == {"verified": 1}, logs.text
+    C.step(finished_recving={req.request_id}, received={req.request_id: received})
+    assert stats(C) == {verdict: 1}, logs.text
+
+
+def test_a_first_copy_that_does_not_decode_is_not_replaced_by_a_later_one(logs):
+    """The first copy decides even when it is invalid: a later copy that
+    decodes (from a rank that should not carry it) does not verify the load."""
+    P = make_side("kv_producer", connector=CONNECTORS["push"])
+    C = make_side("kv_consumer", connector=CONNECTORS["push"], fail_closed=True, policy="recompute")
+    req, good = push_load_awaiting_checksums(C, P)
+    C.step(received={req.request_id: good[:-3]})
+    C.step(finished_recving={req.request_id}, received={req.request_id: good})
+    assert stats(C) == {"unverified": 1}, logs.text
+    assert "invalid" in logs.text
 
 
 def push_load_awaiting_checksums(C, P, seed: int = 0):
