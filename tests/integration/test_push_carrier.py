@@ -412,6 +412,19 @@ def changed_value(payload: bytes) -> bytes:
     return KVChecksumPayload(decoded.num_tokens, decoded.producer_tp_size, groups).to_bytes()
 
 
+def push_load_awaiting_checksums(C, P):
+    """A push load whose blocks the consumer has scheduled and whose KV the
+    producer wrote, not yet reported finished: (request, the producer's
+    checksums as a connector-owned carrier delivers them)."""
+    preq, params = prefill(P, prompt_of(PROMPT))
+    payload = params.pop("kv_checksums")
+    req = make_request(preq.prompt_token_ids, params=dict(params), block_size=C.block_size)
+    C.scheduler.add_request(req)
+    C.step()
+    C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
+    return req, payload
+
+
 @pytest.mark.parametrize("copies, verdict", [(("wrong", "good"), "mismatch"), (("good", "wrong"), "verified"),
                                               ((None, "good"), "unverified")])
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
@@ -470,19 +483,6 @@ def test_a_first_copy_that_does_not_decode_is_not_replaced_by_a_later_one(logs):
     C.step(finished_recving={req.request_id}, received={req.request_id: good})
     assert stats(C) == {"unverified": 1}, logs.text
     assert "invalid" in logs.text
-
-
-def push_load_awaiting_checksums(C, P, seed: int = 0):
-    """A push load whose blocks the consumer has scheduled and whose KV the
-    producer wrote, not yet reported finished: (request, the producer's
-    checksums as a connector-owned carrier delivers them)."""
-    preq, params = prefill(P, prompt_of(PROMPT, seed=seed))
-    payload = params.pop("kv_checksums")
-    req = make_request(preq.prompt_token_ids, params=dict(params), block_size=C.block_size)
-    C.scheduler.add_request(req)
-    C.step()
-    C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
-    return req, payload
 
 
 @pytest.mark.parametrize("first, later, verdict", [("good", "wrong", "verified"), ("wrong", "good", "mismatch")])
