@@ -242,6 +242,7 @@ def offloaded_records(num_blocks, groups, tp, rng):
 
 def consumer_table(args) -> None:
     from vllm_kvchecksum.engine.offload import compare_offloaded
+    from vllm_kvchecksum.engine.request_binding import bind_payload, request_content
 
     rng = np.random.default_rng(0)
     num_blocks = args.tokens // BLOCK
@@ -249,26 +250,38 @@ def consumer_table(args) -> None:
     print(f"scheduler decode step: {steps[256] * 1e3:.2f} ms with 256 running requests, {steps[64] * 1e3:.2f} ms "
           f"with 64 (medians of {args.repeat})\n")
     print(f"one {args.tokens}-token load ({num_blocks} blocks of {BLOCK} per group):\n")
-    print("| groups | TP | P/D: decode ms | P/D: compare ms | P/D total / 256-step | P/D total / 64-step "
+    # One vLLM Request holding the prompt: both sides bind from their own.
+    request = new_request("r", [int(t) for t in rng.integers(0, 50_000, size=args.tokens)], 1)
+    print("| groups | TP | P/D: decode ms | P/D: compare ms | of which binding ms | producer: binding ms "
+          "| P/D total / 256-step | P/D total / 64-step "
           "| offloaded: compare ms | offloaded / 256-step | offloaded / 64-step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for groups in (1, 4):
         for tp in (1, 8):
             recs = records(num_blocks, groups, tp, rng)
             scheduled = {g: (0, num_blocks) for g in range(groups)}
-            text = sum_producer(recs, "r", tp, scheduled, args.tokens, tp).payload.encode()
+            unbound = sum_producer(recs, "r", tp, scheduled, args.tokens, tp).payload
+            # The producer binds its payload to the request when it finishes (request_finished).
+            t_pbind = timed(lambda: bind_payload(unbound, request), args.repeat)
+            text = bind_payload(unbound, request).encode()
             t_dec = timed(lambda: KVChecksumPayload.decode(text), args.repeat)
             payload = KVChecksumPayload.decode(text)
             cons = {g: (0, num_blocks, BLOCK) for g in range(groups)}
-            assert compare_load(payload, recs, "r", tp, cons, args.tokens).status.value == "verified"
-            t_cmp = timed(lambda: compare_load(payload, recs, "r", tp, cons, args.tokens), args.repeat)
+
+            def compare(bound=True):  # as the scheduler judges a load: its request's content read anew
+                return compare_load(payload, recs, "r", tp, cons, args.tokens,
+                                    own=request_content(request) if bound else None)
+            assert compare().status.value == "verified"
+            t_cmp = timed(compare, args.repeat)
+            t_values = timed(lambda: compare(False), args.repeat)
             off, hashes = offloaded_records(num_blocks, groups, tp, rng)
             block_hashes = {g: hashes for g in range(groups)}
             verdict = compare_offloaded(off, "r", tp, scheduled, args.tokens, block_hashes)
             assert verdict.status.value == "verified", verdict.describe()
             t_off = timed(lambda: compare_offloaded(off, "r", tp, scheduled, args.tokens, block_hashes), args.repeat)
             pd = t_dec + t_cmp
-            print(f"| {groups} | {tp} | {t_dec * 1e3:.2f} | {t_cmp * 1e3:.2f} | {pd / steps[256]:.2f} | "
+            print(f"| {groups} | {tp} | {t_dec * 1e3:.2f} | {t_cmp * 1e3:.2f} | {(t_cmp - t_values) * 1e3:.2f} | "
+                  f"{t_pbind * 1e3:.2f} | {pd / steps[256]:.2f} | "
                   f"{pd / steps[64]:.2f} | {t_off * 1e3:.2f} | {t_off / steps[256]:.2f} | {t_off / steps[64]:.2f} |")
     # A steady step with loads in flight: the hooks the patched Scheduler calls every step
     # (build_checksum_meta in schedule(); collect, verify_sync_loads and

@@ -541,9 +541,13 @@ def test_bytes_just_over_the_requests_bound_are_refused():
     checksums = C.scheduler.kv_checksum
     pending = checksums._recvs[req.request_id]
     bound = max_packed_size(pending.request_tokens, len(checksums.layouts))
+    from vllm_kvchecksum.core.payload import PayloadBinding
+
+    # One group more than the model has, each and the binding at 1-token runs.
     data = KVChecksumPayload(num_tokens=PROMPT, producer_tp_size=1, groups={
         g: PayloadGroup(fingerprint=1, block_size=1, start=0, values=np.zeros(PROMPT, dtype=np.uint64))
-        for g in range(len(checksums.layouts) + 1)}).to_bytes()
+        for g in range(len(checksums.layouts) + 1)},
+        binding=PayloadBinding(1, np.zeros(PROMPT, dtype=np.uint64))).to_bytes()
     assert bound < len(data) < 2 * bound
     checksums._decode_expected(pending, req.request_id, data, "connector message")
     assert pending.expected is None and "exceed the limit of" in pending.missing_reason

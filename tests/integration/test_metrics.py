@@ -45,7 +45,8 @@ def test_counts_of_each_verdict_reach_scheduler_stats():
     load(consumer, producer, preq, params,
          tamper=lambda req: consumer.corrupt(req.request_id, position=1) or consumer.corrupt(req.request_id,
                                                                                              position=3))
-    assert taken(consumer) == {metrics.MISMATCHED: 1, metrics.MISMATCHED_BLOCKS: 2}
+    assert taken(consumer) == {metrics.MISMATCHED: 1, metrics.MISMATCHED_BLOCKS: 2,
+                               metrics.labelled(metrics.MISMATCH_CAUSES, "corrupt"): 1}
 
     preq, params = prefill(producer, prompt_of(50, seed=3))
     stripped = {k: v for k, v in params.items() if k != "kv_checksums"}

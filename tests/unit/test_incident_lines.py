@@ -19,7 +19,7 @@ def record(**changes):
 
 def test_the_record_has_stable_keys_and_sorted_positions():
     r = record()
-    assert set(r) == {"side", "time", "request_id", "verdict", "source", "remote_request_id", "remote_engine_id",
+    assert set(r) == {"side", "time", "request_id", "verdict", "source", "cause", "remote_request_id", "remote_engine_id",
                       "engine_id", "connector", "carrier", "tp_size", "pp_size", "block_sizes", "producer_tp_size",
                       "producer_block_sizes", "groups"}
     assert r["groups"] == {"0": [7], "1": [2, 4]} and r["block_sizes"] == {"0": 16, "1": 32}

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from vllm_kvchecksum.core import payload as payload_module
 from vllm_kvchecksum.core.payload import (MAX_GROUPS, MAX_PAYLOAD_BYTES, MAX_TOKENS, PAYLOAD_VERSION,
-                                          KVChecksumPayload, PayloadGroup, max_encoded_size, max_packed_size)
+                                          KVChecksumPayload, PayloadBinding, PayloadGroup, PayloadVersionError,
+                                          max_encoded_size, max_packed_size)
 
 FUZZ = settings(max_examples=150, deadline=None,
                 # The codec fixture only picks a module: nothing to reset per example.
@@ -91,19 +92,22 @@ def test_wire_format_is_version_and_body_with_little_endian_values():
     message = msgpack.unpackb(base64.b64decode(sample_payload().encode()))
     assert message == [PAYLOAD_VERSION, [100, 2, [
         [0, 2**64 - 1, 16, 0, np.array([0, 1, 2**63, 2**64 - 1, 5, 6, 7], "<u8").tobytes()],
-        [3, 0, 32, 2, (42).to_bytes(8, "little") + (43).to_bytes(8, "little")]]]]
+        [3, 0, 32, 2, (42).to_bytes(8, "little") + (43).to_bytes(8, "little")]], [], None]]
+    assert PAYLOAD_VERSION == 2
 
 
 def test_hand_written_payload_decodes():
-    text = b64(packed([1, [33, 1, [[7, 99, 16, 1, (5).to_bytes(8, "little") * 2]]]]))
+    text = b64(packed([2, [33, 1, [[7, 99, 16, 1, (5).to_bytes(8, "little") * 2]], [],
+                           [16, (1).to_bytes(8, "little") * 3]]]))
     payload = KVChecksumPayload.decode(text)
     assert payload.num_tokens == 33 and payload.producer_tp_size == 1
     group = payload.groups[7]
     assert (group.fingerprint, group.block_size, group.start) == (99, 16, 1)
     assert group.values.tolist() == [5, 5]
+    assert payload.binding.block_size == 16 and payload.binding.values.tolist() == [1, 1, 1]
 
 
-def test_tp_local_groups_ride_an_optional_last_field():
+def test_tp_local_groups_ride_their_field():
     import dataclasses
 
     payload = dataclasses.replace(sample_payload(), tp_local_groups={3})
@@ -111,11 +115,36 @@ def test_tp_local_groups_ride_an_optional_last_field():
     assert KVChecksumPayload.decode(payload.encode()).tp_local_groups == {3}
     assert msgpack.unpackb(payload.to_bytes())[1][3] == [3]
     assert payload != sample_payload()
-    # Absent when there are none (the 3-field body above).
-    assert len(msgpack.unpackb(sample_payload().to_bytes())[1]) == 3
+    assert msgpack.unpackb(sample_payload().to_bytes())[1][3] == []
     for bad in ([-1], ["x"], 5):
         with pytest.raises(ValueError, match="TP-local|tp_local"):
-            KVChecksumPayload.from_bytes(packed([1, [33, 1, [], bad]]))
+            KVChecksumPayload.from_bytes(packed([2, [33, 1, [], bad, None]]))
+
+
+def test_a_binding_rides_the_last_field_and_is_checked():
+    import dataclasses
+
+    binding = PayloadBinding(16, np.arange(7, dtype=np.uint64))
+    payload = dataclasses.replace(sample_payload(), binding=binding)
+    assert KVChecksumPayload.decode(payload.encode()) == payload
+    assert payload != sample_payload()
+    assert msgpack.unpackb(payload.to_bytes())[1][4] == [16, np.arange(7, dtype="<u8").tobytes()]
+    # One value per run of block_size tokens over num_tokens (100 tokens: 7 runs of 16).
+    for wrong in (6, 8):
+        with pytest.raises(ValueError, match="binding holds"):
+            dataclasses.replace(sample_payload(), binding=PayloadBinding(16, np.zeros(wrong, np.uint64)))
+    for bad, error in (([0, bytes(8 * 7)], "binding block_size"), ([16, bytes(12)], "whole uint64s"),
+                       ([16, "x" * 8], "whole uint64s"), ([16], "binding must have 2 fields"),
+                       ([16, bytes(8 * 6)], "binding holds 6 values")):
+        with pytest.raises(ValueError, match=error):
+            KVChecksumPayload.from_bytes(packed([2, [100, 1, [], [], bad]]))
+
+
+def test_another_version_raises_its_own_error():
+    with pytest.raises(PayloadVersionError, match="version 1 is not supported") as caught:
+        KVChecksumPayload.decode(b64(packed([1, [33, 1, []]])))
+    assert caught.value.version == 1
+    assert isinstance(caught.value, ValueError)
 
 
 def test_empty_payload_round_trips():
@@ -168,45 +197,47 @@ def test_constructor_refuses_blocks_past_the_tokens():
 GOOD_GROUP = [0, 5, 16, 0, bytes(16)]
 
 
-def body(num_tokens=32, tp=1, groups=None):
-    return [num_tokens, tp, [GOOD_GROUP] if groups is None else groups]
+def body(num_tokens=32, tp=1, groups=None, tp_local=None, binding=None):
+    return [num_tokens, tp, [GOOD_GROUP] if groups is None else groups, [] if tp_local is None else tp_local,
+            binding]
 
 
 @pytest.mark.parametrize("message, error", [
-    ([2, body()], "version 2 is not supported"),
+    ([1, [32, 1, [GOOD_GROUP]]], "version 1 is not supported"),
+    ([3, body()], "version 3 is not supported"),
     ([0, body()], "version 0 is not supported"),
     ([7], "version 7 is not supported"),
     (["1", body()], "version must be an integer, got str"),
     ([True, body()], "version must be an integer, got bool"),
     ([1.0, body()], "version must be an integer, got float"),
-    ([1, body(), 3], "payload must have 2 fields"),
+    ([2, body(), 3], "payload must have 2 fields"),
     ({}, "payload must be an array, got dict"),
     (None, "payload must be an array, got NoneType"),
     (5, "payload must be an array, got int"),
-    ([1, None], "payload body must be an array"),
-    ([1, [32, 1]], "payload body must have 3 fields"),
-    ([1, body(num_tokens=True)], "num_tokens must be an integer, got bool"),
-    ([1, body(num_tokens=32.0)], "num_tokens must be an integer, got float"),
-    ([1, body(num_tokens=-1)], "num_tokens must be in"),
-    ([1, body(num_tokens="32")], "num_tokens must be an integer, got str"),
-    ([1, body(tp=0)], "producer_tp_size must be in"),
-    ([1, body(tp=False)], "producer_tp_size must be an integer, got bool"),
-    ([1, body(groups={})], "groups must be an array, got dict"),
-    ([1, body(groups=b"")], "groups must be an array, got bytes"),
-    ([1, body(groups=[[0, 5, 16, 0]])], "group entry 0 must have 5 fields"),
-    ([1, body(groups=[5])], "group entry 0 must be an array, got int"),
-    ([1, body(groups=[[True, 5, 16, 0, b""]])], "group id of entry 0 must be an integer"),
-    ([1, body(groups=[[-1, 5, 16, 0, b""]])], "group id of entry 0 must be in"),
-    ([1, body(groups=[[0, -5, 16, 0, b""]])], "fingerprint of group 0 must be in"),
-    ([1, body(groups=[[0, 5.0, 16, 0, b""]])], "fingerprint of group 0 must be an integer"),
-    ([1, body(groups=[[0, False, 16, 0, b""]])], "fingerprint of group 0 must be an integer"),
-    ([1, body(groups=[[0, 5, 0, 0, b""]])], "block_size of group 0 must be in"),
-    ([1, body(groups=[[0, 5, 16, -2, b""]])], "start of group 0 must be in"),
-    ([1, body(groups=[[0, 5, 16, 0, bytes(12)]])], "hold 12 bytes, not a multiple of 8"),
-    ([1, body(groups=[[0, 5, 16, 0, "abcdefgh"]])], "values of group 0 must be bin, got str"),
-    ([1, body(groups=[[0, 5, 16, 0, [1, 2]]])], "values of group 0 must be bin, got list"),
-    ([1, body(groups=[GOOD_GROUP, GOOD_GROUP])], "group 0 is listed twice"),
-    ([1, body(num_tokens=16, groups=[[0, 5, 16, 0, bytes(16)]])], "fill only 1 blocks"),
+    ([2, None], "payload body must be an array"),
+    ([2, [32, 1]], "payload body must have 5 fields"),
+    ([2, body(num_tokens=True)], "num_tokens must be an integer, got bool"),
+    ([2, body(num_tokens=32.0)], "num_tokens must be an integer, got float"),
+    ([2, body(num_tokens=-1)], "num_tokens must be in"),
+    ([2, body(num_tokens="32")], "num_tokens must be an integer, got str"),
+    ([2, body(tp=0)], "producer_tp_size must be in"),
+    ([2, body(tp=False)], "producer_tp_size must be an integer, got bool"),
+    ([2, body(groups={})], "groups must be an array, got dict"),
+    ([2, body(groups=b"")], "groups must be an array, got bytes"),
+    ([2, body(groups=[[0, 5, 16, 0]])], "group entry 0 must have 5 fields"),
+    ([2, body(groups=[5])], "group entry 0 must be an array, got int"),
+    ([2, body(groups=[[True, 5, 16, 0, b""]])], "group id of entry 0 must be an integer"),
+    ([2, body(groups=[[-1, 5, 16, 0, b""]])], "group id of entry 0 must be in"),
+    ([2, body(groups=[[0, -5, 16, 0, b""]])], "fingerprint of group 0 must be in"),
+    ([2, body(groups=[[0, 5.0, 16, 0, b""]])], "fingerprint of group 0 must be an integer"),
+    ([2, body(groups=[[0, False, 16, 0, b""]])], "fingerprint of group 0 must be an integer"),
+    ([2, body(groups=[[0, 5, 0, 0, b""]])], "block_size of group 0 must be in"),
+    ([2, body(groups=[[0, 5, 16, -2, b""]])], "start of group 0 must be in"),
+    ([2, body(groups=[[0, 5, 16, 0, bytes(12)]])], "hold 12 bytes, not a multiple of 8"),
+    ([2, body(groups=[[0, 5, 16, 0, "abcdefgh"]])], "values of group 0 must be bin, got str"),
+    ([2, body(groups=[[0, 5, 16, 0, [1, 2]]])], "values of group 0 must be bin, got list"),
+    ([2, body(groups=[GOOD_GROUP, GOOD_GROUP])], "group 0 is listed twice"),
+    ([2, body(num_tokens=16, groups=[[0, 5, 16, 0, bytes(16)]])], "fill only 1 blocks"),
 ])
 def test_malformed_messages_raise_value_error_naming_the_fault(message, error):
     for read, data in ((KVChecksumPayload.from_bytes, packed(message)),
@@ -242,7 +273,7 @@ def test_bad_base64_raises_value_error(text):
 
 
 @pytest.mark.parametrize("data", [
-    b"", b"\xc1", b"\x92\x01", packed([1, body()]) + b"\x00",
+    b"", b"\xc1", b"\x92\x01", packed([2, body()]) + b"\x00",
     b"\x91" * 100_000 + b"\xc0",  # nested far deeper than any decoder stack
     b"\xdd\xff\xff\xff\xff",  # array of 2**32 - 1 entries, none present
     b"\xdf\xff\xff\xff\xff",  # map of 2**32 - 1 entries
@@ -251,9 +282,9 @@ def test_bad_base64_raises_value_error(text):
     b"\xc9\xff\xff\xff\xff\x05",  # ext of 4 GiB
     b"\xc7\x00\x05",  # empty ext type 5
     b"\xd6\xff\x00\x00\x00\x00",  # timestamp ext
-    packed([1, [32, 1, [GOOD_GROUP] * (MAX_GROUPS + 1)]]),
+    packed([2, [32, 1, [GOOD_GROUP] * (MAX_GROUPS + 1)]]),
     packed({"version": 1}),
-    packed([1, [32, 1, [[0, 5, 16, 0, msgpack.ExtType(1, b"12345678")]]]]),
+    packed([2, [32, 1, [[0, 5, 16, 0, msgpack.ExtType(1, b"12345678")]]]]),
 ])
 def test_malformed_msgpack_fails_fast_with_value_error(data):
     # Speed is not asserted here (no timing thresholds in tests): the
@@ -285,11 +316,11 @@ def test_max_tokens_is_the_documented_limit():
 
 
 @pytest.mark.parametrize("message, error", [
-    ([1, body(num_tokens=MAX_TOKENS)], f"num_tokens must be in \\[0, {MAX_TOKENS}\\)"),
-    ([1, body(num_tokens=2**64 - 1)], f"num_tokens must be in \\[0, {MAX_TOKENS}\\)"),
-    ([1, body(groups=[[0, 5, MAX_TOKENS, 0, b""]])],
+    ([2, body(num_tokens=MAX_TOKENS)], f"num_tokens must be in \\[0, {MAX_TOKENS}\\)"),
+    ([2, body(num_tokens=2**64 - 1)], f"num_tokens must be in \\[0, {MAX_TOKENS}\\)"),
+    ([2, body(groups=[[0, 5, MAX_TOKENS, 0, b""]])],
      f"block_size of group 0 must be in \\[1, {MAX_TOKENS}\\)"),
-    ([1, body(groups=[[0, 5, 16, MAX_TOKENS, b""]])],
+    ([2, body(groups=[[0, 5, 16, MAX_TOKENS, b""]])],
      f"start of group 0 must be in \\[0, {MAX_TOKENS}\\)"),
 ])
 def test_counts_no_request_can_reach_raise_value_error_naming_the_field(message, error):
@@ -438,10 +469,10 @@ def test_mutated_payloads_decode_or_raise_value_error(payload, data):
 # -- dependencies ---------------------------------------------------------------
 
 ALLOWED_IMPORTS = {"__future__", "base64", "pybase64", "binascii", "operator", "dataclasses", "typing",
-                   "enum", "collections", "msgpack", "numpy", "vllm_kvchecksum"}
+                   "enum", "collections", "msgpack", "numpy", "hashlib", "vllm_kvchecksum"}
 
 
-@pytest.mark.parametrize("module", ["payload.py", "compare.py", "verdicts.py"])
+@pytest.mark.parametrize("module", ["payload.py", "compare.py", "verdicts.py", "binding.py"])
 def test_module_imports_no_vllm(module):
     path = os.path.join(os.path.dirname(payload_module.__file__), module)
     tree = ast.parse(open(path).read())
@@ -453,7 +484,8 @@ def test_module_imports_no_vllm(module):
             imported.add(node.module)
     assert {name.split(".")[0] for name in imported} <= ALLOWED_IMPORTS
     local = {name for name in imported if name.startswith("vllm_kvchecksum")}
-    assert local <= {"vllm_kvchecksum.core.payload", "vllm_kvchecksum.core.records", "vllm_kvchecksum.core.verdicts"}
+    assert local <= {"vllm_kvchecksum.core.payload", "vllm_kvchecksum.core.records", "vllm_kvchecksum.core.verdicts",
+                     "vllm_kvchecksum.core.binding"}
 
 
 # -- the bound a request puts on its payload ---------------------------------

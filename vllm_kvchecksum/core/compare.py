@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from vllm_kvchecksum.core.binding import TokenContent, first_difference
 from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
 from vllm_kvchecksum.core.records import GroupChecksums, KVChecksumRecord
 from vllm_kvchecksum.core.verdicts import CheckStatus, GroupVerdict, LoadVerdict, UnverifiedReason
@@ -267,7 +268,8 @@ def compare_load(expected: KVChecksumPayload | None, records: Sequence[KVChecksu
                  scheduled: Mapping[int, ConsumerGroupBlocks | tuple[int, int, int]],
                  num_tokens: int, *,
                  missing_reason: str = "the producer sent no KV checksums",
-                 producer_tp_size: Any = None) -> LoadVerdict:
+                 producer_tp_size: Any = None, own: TokenContent | None = None,
+                 missing_key: UnverifiedReason = UnverifiedReason.NO_PRODUCER_CHECKSUMS) -> LoadVerdict:
     """Compare a consumer's checksums of one finished KV load with the producer's.
 
     Runs in the consumer's scheduler once every worker has finished loading
@@ -279,10 +281,29 @@ def compare_load(expected: KVChecksumPayload | None, records: Sequence[KVChecksu
     (not sent, or invalid). `producer_tp_size`: the producer's TP size as
     the connector set the transfer up (None: it does not say); a payload
     that says otherwise is unverified, since its TP size decides which
-    groups are left out.
+    groups are left out. `missing_key`: the reason counted when there is
+    no payload.
+
+    `own`: this request's content (binding.py). With it, the payload's
+    binding is checked over every token up to the load's end: where the
+    producer's tokens differ from ours, the loaded blocks from there on hold
+    another request's KV (a mismatch, GroupVerdict.foreign_blocks) whatever
+    their values say, and a payload bound to nothing never verifies.
+    Without it (tests of the values alone) bindings are not looked at.
     """
     if expected is None:
-        return _load_unverified(req_id, UnverifiedReason.NO_PRODUCER_CHECKSUMS, missing_reason)
+        return _load_unverified(req_id, missing_key, missing_reason)
+    verdict = _compare_values(expected, records, req_id, expected_workers, scheduled, num_tokens,
+                              producer_tp_size)
+    if own is None:
+        return verdict
+    return _apply_binding(verdict, expected, own, scheduled, num_tokens)
+
+
+def _compare_values(expected: KVChecksumPayload, records: Sequence[KVChecksumRecord], req_id: str,
+                    expected_workers: int, scheduled: Mapping[int, ConsumerGroupBlocks | tuple],
+                    num_tokens: int, producer_tp_size: Any) -> LoadVerdict:
+    """compare_load's comparison of the checksum values (bindings aside)."""
     if producer_tp_size is not None and (type(producer_tp_size) is not int
                                          or producer_tp_size != expected.producer_tp_size):
         return _load_unverified(
@@ -346,6 +367,67 @@ def compare_load(expected: KVChecksumPayload | None, records: Sequence[KVChecksu
     status = next(s for s in (CheckStatus.MISMATCH, CheckStatus.UNVERIFIED, CheckStatus.VERIFIED)
                   if s in statuses)
     return LoadVerdict(req_id=req_id, status=status, groups=verdicts, left_out_tp=tuple(left_out_tp))
+
+
+# -- whose KV it is ------------------------------------------------------------
+
+
+def _apply_binding(verdict: LoadVerdict, expected: KVChecksumPayload, own: TokenContent,
+                   scheduled: Mapping[int, ConsumerGroupBlocks | tuple], num_tokens: int) -> LoadVerdict:
+    """The verdict once the payload's binding is checked against this request's content.
+
+    Tokens [0, num_tokens) are this load's request up to its end: the local
+    prefix-cache hit and the loaded blocks. If the producer's bound tokens
+    differ from ours anywhere there, every loaded block from the first
+    differing token on holds KV computed for another request (KV attends to
+    every earlier token), so each scheduled group's blocks from there on are
+    foreign and mismatched, whatever was or could be compared of their
+    values. Otherwise, a payload bound to nothing leaves each group that
+    would have verified unverified.
+    """
+    if verdict.status is CheckStatus.UNVERIFIED and verdict.reason_key in _NO_PAYLOAD_VERDICT:
+        return verdict
+    binding = expected.binding
+    if binding is None:
+        if verdict.status is not CheckStatus.VERIFIED:
+            return verdict
+        groups = {g: (v if v.status is not CheckStatus.VERIFIED else _group_unverified(
+            g, UnverifiedReason.NOT_BOUND, "the producer's checksums name no request content (binding)"))
+            for g, v in verdict.groups.items()}
+        return LoadVerdict(req_id=verdict.req_id, status=CheckStatus.UNVERIFIED, groups=groups,
+                           left_out_tp=verdict.left_out_tp, source=verdict.source)
+    first = first_difference(own, binding.block_size, binding.values, expected.num_tokens, num_tokens)
+    if first is None:
+        return verdict
+    run_end = min(first + binding.block_size, expected.num_tokens)
+    groups = dict(verdict.groups)
+    for group_id, blocks in sorted(scheduled.items()):
+        blocks = ConsumerGroupBlocks(*blocks)
+        if blocks.num_blocks <= 0:
+            continue
+        if blocks.state:
+            foreign = tuple(range(blocks.start, blocks.start + blocks.num_blocks))
+        else:
+            low = max(blocks.start, first // blocks.block_size)
+            foreign = tuple(range(low, blocks.start + blocks.num_blocks))
+        if not foreign:
+            continue
+        before = groups.get(group_id)
+        corrupt = before.mismatched_blocks if before is not None else ()
+        groups[group_id] = GroupVerdict(
+            group_id=group_id, status=CheckStatus.MISMATCH,
+            mismatched_blocks=tuple(sorted(set(corrupt) | set(foreign))),
+            compared_blocks=max(before.compared_blocks if before is not None else 0, len(foreign)),
+            foreign_blocks=foreign, foreign_from_token=first, foreign_to_token=run_end)
+    if not any(v.status is CheckStatus.MISMATCH for v in groups.values()):
+        return verdict  # no loaded block at or past the first differing token
+    return LoadVerdict(req_id=verdict.req_id, status=CheckStatus.MISMATCH, groups=groups,
+                       left_out_tp=verdict.left_out_tp, source=verdict.source)
+
+
+# Load-level verdicts reached before any payload field was trusted: no
+# binding to check.
+_NO_PAYLOAD_VERDICT = frozenset({UnverifiedReason.NO_PRODUCER_CHECKSUMS, UnverifiedReason.PAYLOAD_VERSION})
 
 
 def _load_unverified(req_id: str, key: UnverifiedReason, message: str) -> LoadVerdict:

@@ -6,18 +6,24 @@ summed by its scheduler), plus what the consumer needs to line its own
 blocks up with them: the number of tokens covered and each group's block
 size and first block position.
 
-Wire format, version 1: msgpack of the pair (version, body) with
+Wire format, version 2: msgpack of the pair (version, body) with
 
     body = (num_tokens, producer_tp_size,
-            [(group_id, fingerprint, block_size, start, values), ...]
-            [, [tp_local_group_id, ...]])
+            [(group_id, fingerprint, block_size, start, values), ...],
+            [tp_local_group_id, ...],
+            binding)
 
-The last field lists the groups whose values depend on the producer's TP
-size (Mamba state whose layers do not describe their TP split); it is
-present only when there are some.
+`tp_local_group_id`s are the groups whose values depend on the producer's
+TP size (Mamba state whose layers do not describe their TP split).
+`binding` is (block_size, values): the request content the checksums were
+computed for (binding.py), one uint64 per run of block_size tokens over
+[0, num_tokens), or nil for a payload bound to nothing (which a consumer
+never verifies). Version 1 had no binding; a reader refuses any version
+but its own with PayloadVersionError, so a consumer tells a producer of
+another version from a corrupt payload.
 
 where `values` is a msgpack bin holding the group's checksums as
-little-endian uint64. `to_bytes` / `from_bytes` give these msgpack bytes
+little-endian uint64 (the binding's values likewise). `to_bytes` / `from_bytes` give these msgpack bytes
 (for connectors that carry bytes themselves); `encode` / `decode` wrap them
 in standard base64 text, for the "kv_checksums" entry of kv_transfer_params.
 
@@ -51,7 +57,7 @@ try:
 except ImportError:  # without vLLM (a GPU box, or the package alone)
     import base64 as _base64
 
-PAYLOAD_VERSION = 1
+PAYLOAD_VERSION = 2
 
 # Longest base64 text `decode` accepts. A group costs 8 bytes per block
 # position, about 10.7 once in base64: a 2M-token prompt with 16-token blocks
@@ -91,11 +97,11 @@ def max_packed_size(num_tokens: int, num_groups: int) -> int:
 
     num_tokens: the request's tokens; num_groups: the consumer's transfer
     groups. One uint64 per token and group (block size 1, the smallest
-    there is) plus the fields: far above any producer's payload (8 bytes
-    per block), and bounded by the request, so a short prompt cannot make
-    the scheduler decode megabytes.
+    there is), as many again for the binding, plus the fields: far above
+    any producer's payload (8 bytes per block), and bounded by the request,
+    so a short prompt cannot make the scheduler decode megabytes.
     """
-    return _FIXED_BYTES + max(num_groups, 1) * (_GROUP_BYTES + 8 * max(num_tokens, 1))
+    return _FIXED_BYTES + (max(num_groups, 1) + 1) * (_GROUP_BYTES + 8 * max(num_tokens, 1))
 
 
 def max_encoded_size(num_tokens: int, num_groups: int) -> int:
@@ -103,8 +109,18 @@ def max_encoded_size(num_tokens: int, num_groups: int) -> int:
     return -(-max_packed_size(num_tokens, num_groups) // 3) * 4
 
 
-_BODY_FIELDS = ("num_tokens", "producer_tp_size", "groups")
+_BODY_FIELDS = ("num_tokens", "producer_tp_size", "groups", "tp_local_groups", "binding")
 _GROUP_FIELDS = ("group_id", "fingerprint", "block_size", "start", "values")
+
+
+class PayloadVersionError(ValueError):
+    """The payload is of another version than this reader's (a producer
+    running another release of the series)."""
+
+    def __init__(self, version: int):
+        super().__init__(f"payload version {version} is not supported (this reader knows version "
+                         f"{PAYLOAD_VERSION}: run one release of the series on producers and consumers)")
+        self.version = version
 
 
 def _short(value: Any) -> str:
@@ -176,6 +192,37 @@ class PayloadGroup:
 
 
 @dataclass(frozen=True, eq=False)
+class PayloadBinding:
+    """The request content the checksums were computed for (binding.py).
+
+    values[i] binds tokens [i * block_size, min((i + 1) * block_size,
+    num_tokens)) of the request: one value per run, covering every token
+    the payload covers.
+    """
+
+    block_size: int
+    values: np.ndarray
+
+    def __post_init__(self):
+        set_field = object.__setattr__
+        set_field(self, "block_size", _checked_int("binding block_size", self.block_size, 1, MAX_TOKENS))
+        values = self.values
+        if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind != "u" \
+                or values.dtype.itemsize != 8:
+            raise ValueError("binding values must be a 1-D uint64 numpy array, got "
+                             f"{getattr(values, 'dtype', type(values).__name__)} "
+                             f"with shape {getattr(values, 'shape', None)}")
+        set_field(self, "values", values.astype(np.uint64, copy=False))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PayloadBinding):
+            return NotImplemented
+        return self.block_size == other.block_size and np.array_equal(self.values, other.values)
+
+    __hash__ = None
+
+
+@dataclass(frozen=True, eq=False)
 class KVChecksumPayload:
     """The producer's summed checksums of one request, per KV cache group id.
 
@@ -188,12 +235,15 @@ class KVChecksumPayload:
     tp_local_groups: of those, the ones whose values depend on the TP size:
       a consumer of another TP size leaves a group out only when both sides
       say so (otherwise its fingerprint decides).
+    binding: what request content the values are for (None: bound to
+      nothing, which a consumer never verifies).
     """
 
     num_tokens: int
     producer_tp_size: int
     groups: dict[int, PayloadGroup]
     tp_local_groups: frozenset[int] = frozenset()
+    binding: PayloadBinding | None = None
 
     def __post_init__(self):
         set_field = object.__setattr__
@@ -222,6 +272,13 @@ class KVChecksumPayload:
             raise ValueError(f"tp_local_groups must be a set, got {type(self.tp_local_groups).__name__}")
         set_field(self, "tp_local_groups", frozenset(
             _checked_int("TP-local group id", g, 0, _COUNT_LIMIT) for g in self.tp_local_groups))
+        if self.binding is not None:
+            if not isinstance(self.binding, PayloadBinding):
+                raise ValueError(f"binding must be a PayloadBinding, got {type(self.binding).__name__}")
+            runs = -(-self.num_tokens // self.binding.block_size)
+            if self.binding.values.shape[0] != runs:
+                raise ValueError(f"the binding holds {self.binding.values.shape[0]} values, but "
+                                 f"{self.num_tokens} tokens make {runs} runs of {self.binding.block_size}")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, KVChecksumPayload):
@@ -229,7 +286,8 @@ class KVChecksumPayload:
         return (self.num_tokens == other.num_tokens
                 and self.producer_tp_size == other.producer_tp_size
                 and self.groups == other.groups
-                and self.tp_local_groups == other.tp_local_groups)
+                and self.tp_local_groups == other.tp_local_groups
+                and self.binding == other.binding)
 
     __hash__ = None
 
@@ -240,9 +298,9 @@ class KVChecksumPayload:
         groups = [(group_id, group.fingerprint, group.block_size, group.start,
                    group.values.astype("<u8", copy=False).tobytes())
                   for group_id, group in sorted(self.groups.items())]
-        body = [self.num_tokens, self.producer_tp_size, groups]
-        if self.tp_local_groups:
-            body.append(sorted(self.tp_local_groups))
+        binding = None if self.binding is None else (
+            self.binding.block_size, self.binding.values.astype("<u8", copy=False).tobytes())
+        body = [self.num_tokens, self.producer_tp_size, groups, sorted(self.tp_local_groups), binding]
         return msgpack.packb((PAYLOAD_VERSION, body), use_bin_type=True)
 
     def encode(self) -> str:
@@ -287,6 +345,8 @@ class KVChecksumPayload:
                 raise ValueError(f"{len(data)} bytes exceed the limit of {limit}")
             data = bytes(data)
             return _payload_from_message(_unpack(data))
+        except PayloadVersionError:
+            raise
         except ValueError as exc:
             raise ValueError(f"invalid KV checksum payload: {exc}") from None
         except Exception as exc:  # anything a hostile input provokes is a ValueError
@@ -325,16 +385,13 @@ def _payload_from_message(message: Any) -> KVChecksumPayload:
     """Build the payload from the decoded (version, body) pair, checking every type."""
     if isinstance(message, list) and message and isinstance(message[0], int) \
             and not isinstance(message[0], bool) and message[0] != PAYLOAD_VERSION:
-        raise ValueError(f"payload version {message[0]} is not supported "
-                         f"(this reader knows version {PAYLOAD_VERSION})")
+        raise PayloadVersionError(message[0])
     version, body = _fields("payload", message, ("version", "body"))
     _checked_int("payload version", version, PAYLOAD_VERSION, PAYLOAD_VERSION + 1)
-    tp_local_list = []
-    if isinstance(body, list) and len(body) == len(_BODY_FIELDS) + 1:
-        *body, tp_local_list = body  # the optional last field
-        if not isinstance(tp_local_list, list):
-            raise ValueError(f"tp_local_groups must be an array, got {type(tp_local_list).__name__}")
-    num_tokens, producer_tp_size, group_list = _fields("payload body", body, _BODY_FIELDS)
+    num_tokens, producer_tp_size, group_list, tp_local_list, binding_entry = _fields(
+        "payload body", body, _BODY_FIELDS)
+    if not isinstance(tp_local_list, list):
+        raise ValueError(f"tp_local_groups must be an array, got {type(tp_local_list).__name__}")
     num_tokens = _checked_int("num_tokens", num_tokens, 0, MAX_TOKENS)
     producer_tp_size = _checked_int("producer_tp_size", producer_tp_size, 1, _COUNT_LIMIT)
     if not isinstance(group_list, list):
@@ -359,7 +416,16 @@ def _payload_from_message(message: Any) -> KVChecksumPayload:
                                     1, MAX_TOKENS),
             start=_checked_int(f"start of group {group_id}", start, 0, MAX_TOKENS),
             values=np.frombuffer(values, dtype="<u8").astype(np.uint64))
+    binding = None
+    if binding_entry is not None:
+        block_size, values = _fields("binding", binding_entry, ("block_size", "values"))
+        if not isinstance(values, bytes) or len(values) % 8:
+            raise ValueError("binding values must be bin of whole uint64s, got "
+                             f"{type(values).__name__} {_short(values)}")
+        binding = PayloadBinding(
+            block_size=_checked_int("binding block_size", block_size, 1, MAX_TOKENS),
+            values=np.frombuffer(values, dtype="<u8").astype(np.uint64))
     return KVChecksumPayload(num_tokens=num_tokens, producer_tp_size=producer_tp_size,
                              groups=groups, tp_local_groups=frozenset(
                                  _checked_int(f"TP-local group {i}", g, 0, _COUNT_LIMIT)
-                                 for i, g in enumerate(tp_local_list)))
+                                 for i, g in enumerate(tp_local_list)), binding=binding)

@@ -29,6 +29,7 @@ class UnverifiedReason(str, enum.Enum):
 
     # The whole load.
     NO_PRODUCER_CHECKSUMS = "no_producer_checksums"  # none sent, or invalid
+    PAYLOAD_VERSION = "payload_version"  # sent by a producer of another payload version
     MISSING_WORKERS = "missing_workers"  # not every TP x PP worker reported
     UNSCHEDULED_BLOCKS = "unscheduled_blocks"  # a worker checksummed other blocks
     MALFORMED_RECORD = "malformed_record"  # a record contradicts itself or others
@@ -46,6 +47,7 @@ class UnverifiedReason(str, enum.Enum):
     UNALIGNED_FIRST_BLOCK = "unaligned_first_block"
     NO_COMMON_BLOCKS = "no_common_blocks"
     NOT_COVERED_BY_PRODUCER = "not_covered_by_producer"  # some loaded blocks have no producer value
+    NOT_BOUND = "not_bound"  # the payload names no request content (binding.py)
     # One group of an offloaded load (offload.py).
     NOT_STORED = "not_stored"  # some workers store no checksums of the group
     NO_BLOCK_HASHES = "no_block_hashes"  # the request lacks hashes of loaded blocks
@@ -59,6 +61,10 @@ class GroupVerdict:
       consumer blocks of a differing chunk when the block sizes differ).
     compared_blocks: how many consumer blocks were compared.
     reason_key / reason: why an unverified group could not be compared.
+    foreign_blocks: of mismatched_blocks, those holding another request's
+      KV: the producer's tokens differ from this request's from
+      foreign_from_token on (the first differing run of its binding ends at
+      foreign_to_token). The rest of mismatched_blocks are corrupt.
     """
 
     group_id: int
@@ -67,6 +73,9 @@ class GroupVerdict:
     compared_blocks: int = 0
     reason_key: UnverifiedReason | None = None
     reason: str = ""
+    foreign_blocks: tuple[int, ...] = ()
+    foreign_from_token: int | None = None
+    foreign_to_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,19 @@ class LoadVerdict:
         return tuple(dict.fromkeys(k for k in keys if k is not None))
 
     @property
+    def wrong_request(self) -> bool:
+        """Whether the load holds another request's KV (its producer's tokens differ)."""
+        return any(g.foreign_blocks for g in self.groups.values())
+
+    @property
+    def cause(self) -> str | None:
+        """A mismatch's cause: "wrong_request" (another request's KV, whatever else is
+        wrong) or "corrupt" (this request's KV, changed); None when no mismatch."""
+        if self.status is not CheckStatus.MISMATCH:
+            return None
+        return "wrong_request" if self.wrong_request else "corrupt"
+
+    @property
     def mismatched_blocks(self) -> dict[int, tuple[int, ...]]:
         """Consumer block positions that differ, per mismatching group."""
         return {g.group_id: g.mismatched_blocks for g in self.groups.values()
@@ -109,7 +131,8 @@ class LoadVerdict:
         """An operator-facing line naming the request, groups and block positions."""
         headline = {
             CheckStatus.VERIFIED: f"KV checksums of request {self.req_id!r} verified",
-            CheckStatus.MISMATCH: f"KV checksum mismatch for request {self.req_id!r}",
+            CheckStatus.MISMATCH: (f"KV checksum mismatch for request {self.req_id!r}: another request's KV"
+                                   if self.wrong_request else f"KV checksum mismatch for request {self.req_id!r}"),
             CheckStatus.UNVERIFIED: f"KV checksums of request {self.req_id!r} unverified",
         }[self.status]
         if self.source != "producer":
@@ -126,6 +149,14 @@ def _describe_group(verdict: GroupVerdict) -> str:
     name = f"group {verdict.group_id}"
     if verdict.status is CheckStatus.VERIFIED:
         return f"{name} verified ({verdict.compared_blocks} blocks compared)"
+    if verdict.foreign_blocks:
+        corrupt = sorted(set(verdict.mismatched_blocks) - set(verdict.foreign_blocks))
+        text = (f"{name} holds another request's KV at block positions "
+                f"{format_positions(verdict.foreign_blocks)} (the producer's tokens differ from this "
+                f"request's in tokens [{verdict.foreign_from_token}, {verdict.foreign_to_token}))")
+        if corrupt:
+            text += f", and differs at block positions {format_positions(corrupt)}"
+        return text
     if verdict.status is CheckStatus.MISMATCH:
         return (f"{name} differs at block positions "
                 f"{format_positions(verdict.mismatched_blocks)} "

@@ -63,6 +63,10 @@ CHANGED_ON_PRODUCER = "changed on the producer before the transfer completed"
 INTACT_ON_PRODUCER = "intact on the producer: in flight or on the consumer"
 NOT_RECHECKED = "producer not re-checked"
 OFFLOADED = "offloaded"
+# The producer's tokens differ from the consumer's request: the transfer paired
+# it with another request (a shared request id, a misrouted load), whatever
+# the producer's own logs say.
+WRONG_REQUEST = "another request's KV: the producer's tokens differ"
 # A producer line's verdict when a consumer read a request's KV after the
 # connector released its blocks (not a re-check: the scheduler's
 # _count_read_after_release).
@@ -89,7 +93,8 @@ def remote_ids(kv_transfer_params: Mapping[str, Any] | None) -> tuple[str | None
     return request, outside_id(params.get("remote_engine_id"))
 
 
-def incident_record(*, request_id: str, verdict: str, source: str, groups: Mapping[int, Iterable[int]],
+def incident_record(*, request_id: str, verdict: str, source: str, cause: str | None = None,
+                    groups: Mapping[int, Iterable[int]],
                     remote_request_id: str | None, remote_engine_id: str | None, engine_id: str | None,
                     connector: str, carrier: str | None, tp_size: int, pp_size: int,
                     block_sizes: Mapping[int, int], producer_tp_size: int | None,
@@ -97,6 +102,7 @@ def incident_record(*, request_id: str, verdict: str, source: str, groups: Mappi
     """One consumer incident: a JSON-able dict with a stable set of keys."""
     return {
         "side": "consumer", "time": now, "request_id": request_id, "verdict": verdict, "source": source,
+        "cause": cause,
         "remote_request_id": remote_request_id, "remote_engine_id": remote_engine_id, "engine_id": engine_id,
         "connector": connector, "carrier": carrier, "tp_size": tp_size, "pp_size": pp_size,
         "block_sizes": {str(g): int(b) for g, b in sorted(block_sizes.items())},
@@ -225,6 +231,8 @@ def where(incident: Mapping[str, Any], released: set[str],
     """
     if incident.get("source") != "producer":
         return OFFLOADED
+    if incident.get("cause") == "wrong_request":
+        return WRONG_REQUEST
     remote = incident.get("remote_request_id")
     if not isinstance(remote, str):
         return NOT_RECHECKED

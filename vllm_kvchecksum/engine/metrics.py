@@ -14,6 +14,11 @@ KVChecksumProm.observe, which adds them to these counters on /metrics:
       loads the checksums never judged: the connector reported the load
       failed ("load_failed"), or the request ended before its load finished
       ("request_ended")
+  vllm:kv_checksum_loads_mismatched_by_cause_total{cause}
+      the same loads by cause: "wrong_request" when the producer's tokens
+      differ from the request's (another request's KV: the binding of the
+      checksums, core/binding.py), else "corrupt" (this request's KV,
+      changed on the way)
   vllm:kv_checksum_mismatched_blocks_total        block positions that differed
   vllm:kv_checksum_loads_recomputed_total{rollback}
       failed loads recomputed (kv_load_failure_policy "recompute"): from
@@ -88,6 +93,7 @@ MISMATCHED = "loads_mismatched"
 UNVERIFIED = "loads_unverified"
 NOT_COMPARED = "loads_not_compared"
 MISMATCHED_BLOCKS = "mismatched_blocks"
+MISMATCH_CAUSES = "loads_mismatched_by_cause"
 SENT = "sent"
 NOT_SENT = "not_sent"
 LOADS_RECOMPUTED = "loads_recomputed"
@@ -105,6 +111,7 @@ PRODUCER_READ_AFTER_RELEASE = "producer_read_after_release"
 # UnverifiedReason's values). Bounded: a label never takes a value from
 # outside the process.
 NOT_COMPARED_REASONS = ("load_failed", "request_ended")
+CAUSES = ("corrupt", "wrong_request")
 NOT_SENT_REASONS = ("sum_failed", "not_carried")
 ROLLBACKS = ("from_first_bad_block", "whole_prompt")
 OFFLOADED_NOT_CHECKED_REASONS = ("sync_load", "tier_not_covered", "no_groups")
@@ -118,6 +125,9 @@ COUNTERS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
                  tuple(r.value for r in UnverifiedReason)),
     NOT_COMPARED: ("Loads of KV never compared: the connector reported the load failed, or the request ended "
                    "before it finished.", "reason", NOT_COMPARED_REASONS),
+    MISMATCH_CAUSES: ("Loads of KV from a producer whose KV checksums differed, by cause: another request's KV "
+                      "(wrong_request: the producer's tokens differ from the request's) or corrupt KV.", "cause",
+                      CAUSES),
     MISMATCHED_BLOCKS: ("Block positions whose KV checksums differed, over all mismatched loads.", None, ()),
     LOADS_RECOMPUTED: ("Failed loads recomputed, from their first bad block (the verified prefix kept) or from "
                        "the start of the prompt.", "rollback", ROLLBACKS),

@@ -40,7 +40,8 @@ from vllm_kvchecksum.engine import incident, metrics
 from vllm_kvchecksum.core.compare import ProducerSum, compare_load, sum_producer
 from vllm_kvchecksum.core.verdicts import CheckStatus, LoadVerdict, UnverifiedReason, format_positions
 from vllm_kvchecksum.engine.offload import OFFLOADED_SOURCE, compare_offloaded
-from vllm_kvchecksum.core.payload import KVChecksumPayload, max_encoded_size, max_packed_size
+from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadVersionError, max_encoded_size, max_packed_size
+from vllm_kvchecksum.engine.request_binding import bind_payload, request_content
 from vllm_kvchecksum.engine.recheck import RecheckResult, RecheckStatus, recheck
 from vllm_kvchecksum.core.records import (KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord, KVChecksumScheduled,
                                           RecordPurpose)
@@ -214,6 +215,10 @@ class _Pending:
     # Consumer only: the producer's checksums, or why there are none.
     expected: KVChecksumPayload | None = None
     missing_reason: str = ""
+    missing_key: UnverifiedReason = UnverifiedReason.NO_PRODUCER_CHECKSUMS
+    # Consumer, P/D: the request, whose own content the payload's binding
+    # must match (request_binding.py); read when the load is judged.
+    bound_to: Any = None
     # Consumer, connector-owned carrier: no copy of the checksums received yet.
     awaiting_connector: bool = False
     # Consumer: the request's token count, which bounds the size of the
@@ -390,7 +395,7 @@ class KVChecksumScheduler:
         pending = _Pending(blocks, request_tokens=request.num_tokens,
                            producer_tp_size=self._producer_tp_size(request),
                            remote=incident.remote_ids(request.kv_transfer_params),
-                           carrier=getattr(carrier, "value", str(carrier)))
+                           carrier=getattr(carrier, "value", str(carrier)), bound_to=request)
         if carrier is KVChecksumCarrier.CONNECTOR:
             # The connector delivers them to the workers with the load (collect).
             pending.awaiting_connector = True
@@ -594,6 +599,9 @@ class KVChecksumScheduler:
                 KVChecksumPayload.from_bytes(data, max_packed_size(pending.request_tokens, groups))
                 if isinstance(data, (bytes, bytearray))
                 else KVChecksumPayload.decode(data, max_encoded_size(pending.request_tokens, groups)))
+        except PayloadVersionError as exc:
+            pending.missing_key = UnverifiedReason.PAYLOAD_VERSION
+            pending.missing_reason = f"the producer's KV checksums ({source}) are of another version: {exc}"
         except ValueError as exc:
             pending.missing_reason = f"the producer's KV checksums ({source}) are invalid: {exc}"
         except Exception as exc:
@@ -671,6 +679,13 @@ class KVChecksumScheduler:
             self._not_carried(request.request_id, carrier, kv_transfer_params)
             return kv_transfer_params
         result = self._sum_own(request.request_id, pending)
+        if result.payload is not None:
+            try:
+                result = ProducerSum(bind_payload(result.payload, request))
+            except Exception as exc:
+                logger.exception("KV checksums: binding the checksums of request %s to its tokens raised.",
+                                 request.request_id)
+                result = ProducerSum(None, f"binding them to the request's tokens raised {type(exc).__name__}")
         if result.payload is None:
             self.stats["not_sent"] += 1
             self._metrics[metrics.labelled(metrics.NOT_SENT, "sum_failed")] += 1
@@ -942,7 +957,8 @@ class KVChecksumScheduler:
                                  self._layout(g).window_blocks > 0) for g, b in pending.blocks.groups.items()}
                 verdict = compare_load(pending.expected, pending.records, rid, self.num_workers, scheduled,
                                        pending.blocks.num_tokens, missing_reason=pending.missing_reason,
-                                       producer_tp_size=pending.producer_tp_size)
+                                       missing_key=pending.missing_key, producer_tp_size=pending.producer_tp_size,
+                                       own=None if pending.expected is None else request_content(pending.bound_to))
         except Exception as exc:
             # The payload comes from the client: whatever comparing one load
             # raises must not escape update_from_output and stop the engine
@@ -981,7 +997,7 @@ class KVChecksumScheduler:
         """Write the mismatch's incident line (incident.py): what a join with the producer's log needs."""
         expected = pending.expected
         incident.emit(incident.incident_record(
-            request_id=verdict.req_id, verdict=verdict.status.value, source=verdict.source,
+            request_id=verdict.req_id, verdict=verdict.status.value, source=verdict.source, cause=verdict.cause,
             groups=verdict.mismatched_blocks, remote_request_id=pending.remote[0],
             remote_engine_id=pending.remote[1], engine_id=self.engine_id, connector=self.connector_name,
             carrier=pending.carrier, **self._own_sizes(),
@@ -1023,6 +1039,8 @@ class KVChecksumScheduler:
             self._metrics[prefix + metrics.VERIFIED] += 1
         elif verdict.status is CheckStatus.MISMATCH:
             self._metrics[prefix + metrics.MISMATCHED] += 1
+            if not prefix:
+                self._metrics[metrics.labelled(metrics.MISMATCH_CAUSES, verdict.cause)] += 1
             self._metrics[prefix + metrics.MISMATCHED_BLOCKS] += sum(
                 len(b) for b in verdict.mismatched_blocks.values())
         else:

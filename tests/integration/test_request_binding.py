@@ -1,0 +1,120 @@
+"""Another request's KV never verifies: real producer and consumer schedulers.
+
+pd_harness writes KV that depends on the layer, head and position only, not
+on the prompt, so two prompts of one length have the same KV and the same
+checksum values: the case an operator hits when a transfer pairs a load with
+another request (NIXL push pairs by X-Request-Id; a client reusing an id, a
+retry with an edited prompt). Only the binding of the checksums to the
+request's tokens (core/binding.py) tells them apart. Every carrier runs
+(pull: kv_transfer_params; push and Mooncake: the connector's messages).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import msgpack
+import numpy as np
+import pytest
+
+from pd_harness import CONNECTORS, carrier_maker, load, prefill, prompt_of, run_local, stats
+
+from vllm_kvchecksum.core.binding import TokenContent
+from vllm_kvchecksum.core.payload import KVChecksumPayload
+from vllm_kvchecksum.engine import metrics
+
+PROMPT = 77  # 4 full 16-token blocks and a partial one
+
+
+@pytest.fixture(params=sorted(CONNECTORS))
+def make(request):
+    return carrier_maker(request.param)
+
+
+def edited(prompt: list[int], token: int) -> list[int]:
+    other = list(prompt)
+    other[token] += 1
+    return other
+
+
+def decoded(params) -> KVChecksumPayload:
+    data = params["kv_checksums"]
+    return KVChecksumPayload.from_bytes(data) if isinstance(data, (bytes, bytearray)) else \
+        KVChecksumPayload.decode(data)
+
+
+def test_the_producer_binds_what_it_sends_to_its_prompt(make):
+    P = make("kv_producer", fail_closed=True)
+    prompt = prompt_of(PROMPT)
+    _, params = prefill(P, prompt)
+    binding = decoded(params).binding
+    assert binding is not None and binding.block_size == 16
+    assert np.array_equal(binding.values, TokenContent(prompt).block_bindings(16, PROMPT))
+
+
+@pytest.mark.parametrize("fail_closed", [True, False])
+def test_another_prompts_kv_with_its_checksums_is_a_mismatch_of_its_own_cause(fail_closed, logs, make):
+    P = make("kv_producer", fail_closed=True)
+    C = make("kv_consumer", fail_closed=fail_closed)
+    prompt = prompt_of(PROMPT)
+    preq, params = prefill(P, prompt)
+    # The consumer's request differs from token 40 (block 2) on; it receives
+    # the producer's KV and checksums, whose values match that KV.
+    result = load(C, P, preq, params, prompt=edited(prompt, 40))
+    assert stats(C) == {"mismatch": 1}, logs.text
+    assert "another request's KV at block positions 2-4" in logs.text
+    assert "tokens [32, 48)" in logs.text
+    assert C.reported_metrics[metrics.labelled(metrics.MISMATCH_CAUSES, "wrong_request")] == 1
+    assert C.reported_metrics[metrics.labelled(metrics.MISMATCH_CAUSES, "corrupt")] == 0
+    if fail_closed:
+        assert result.request.is_finished()
+    else:
+        assert not result.request.is_finished()
+
+
+def test_a_corrupt_load_is_counted_corrupt(logs, make):
+    P = make("kv_producer", fail_closed=True)
+    C = make("kv_consumer", fail_closed=True)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    load(C, P, preq, params, tamper=lambda req: C.corrupt(req.request_id, position=1))
+    assert stats(C) == {"mismatch": 1}, logs.text
+    assert C.reported_metrics[metrics.labelled(metrics.MISMATCH_CAUSES, "corrupt")] == 1
+    assert "another request" not in logs.text
+
+
+def test_a_difference_inside_the_local_hit_fails_every_loaded_block(logs, make):
+    P = make("kv_producer", fail_closed=True)
+    C = make("kv_consumer", fail_closed=True)
+    prompt = prompt_of(PROMPT)
+    ours = edited(prompt, 3)
+    run_local(C, ours[:32])
+    preq, params = prefill(P, prompt)
+    load(C, P, preq, params, num_local=32, prompt=ours)
+    assert stats(C) == {"mismatch": 1}, logs.text
+    assert "another request's KV at block positions 2-4" in logs.text
+
+
+def test_a_payload_of_the_previous_version_is_unverified_with_its_reason(logs):
+    make = carrier_maker("pull")
+    P = make("kv_producer", fail_closed=True)
+    C = make("kv_consumer", fail_closed=False)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    version, body = msgpack.unpackb(base64.b64decode(params["kv_checksums"]))
+    old = base64.b64encode(msgpack.packb((1, body[:3]), use_bin_type=True)).decode()
+    load(C, P, preq, {**params, "kv_checksums": old})
+    assert stats(C) == {"unverified": 1}, logs.text
+    assert C.reported_metrics[metrics.labelled(metrics.UNVERIFIED, "payload_version")] == 1
+    assert "payload version 1 is not supported" in logs.text
+
+
+def test_a_payload_stripped_of_its_binding_is_unverified(logs):
+    make = carrier_maker("pull")
+    P = make("kv_producer", fail_closed=True)
+    C = make("kv_consumer", fail_closed=True)
+    preq, params = prefill(P, prompt_of(PROMPT))
+    version, body = msgpack.unpackb(base64.b64decode(params["kv_checksums"]))
+    body[4] = None
+    stripped = base64.b64encode(msgpack.packb((version, body), use_bin_type=True)).decode()
+    load(C, P, preq, {**params, "kv_checksums": stripped})
+    assert stats(C) == {"unverified": 1}, logs.text
+    assert C.reported_metrics[metrics.labelled(metrics.UNVERIFIED, "not_bound")] == 1
