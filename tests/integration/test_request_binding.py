@@ -118,3 +118,88 @@ def test_a_payload_stripped_of_its_binding_is_unverified(logs):
     load(C, P, preq, {**params, "kv_checksums": stripped})
     assert stats(C) == {"unverified": 1}, logs.text
     assert C.reported_metrics[metrics.labelled(metrics.UNVERIFIED, "not_bound")] == 1
+
+
+# -- NIXL push: two live requests with one X-Request-Id --------------------------
+
+
+def push_ids(monkeypatch, *suffixes):
+    """The next requests pd_harness makes get ids "req-dup-<suffix>": one X-Request-Id, vLLM's random suffixes."""
+    import pd_harness
+
+    monkeypatch.setattr(pd_harness, "_ids", iter([f"dup-{s}" for s in suffixes]))
+
+
+def test_a_push_producer_refuses_the_second_live_request_with_one_id(logs, monkeypatch):
+    make = carrier_maker("push")
+    P = make("kv_producer", fail_closed=True)
+    push_ids(monkeypatch, "0a1b2c3d", "4e5f6a7b")
+    first, params_1 = prefill(P, prompt_of(PROMPT))
+    # The first request's blocks wait for its consumer's registration: still live.
+    second, params_2 = prefill(P, prompt_of(PROMPT, seed=5))
+    assert "kv_checksums" in params_1 and "kv_checksums" not in params_2
+    assert stats(P) == {"sent": 1, "not_sent": 1}
+    assert P.reported_metrics[metrics.labelled(metrics.NOT_SENT, "duplicate_request_id")] == 1
+    assert "request 'req-dup-4e5f6a7b' shares its X-Request-Id 'req-dup' with live request 'req-dup-0a1b2c3d'" \
+        in logs.text
+    # Once the first request's blocks are freed, the id is free again.
+    P.scheduler.kv_checksum.release_send(first.request_id)
+    P.scheduler.kv_checksum.release_send(second.request_id)
+    push_ids(monkeypatch, "8c9d0e1f")
+    _, params_3 = prefill(P, prompt_of(PROMPT, seed=6))
+    assert "kv_checksums" in params_3
+
+
+def test_a_pull_producer_does_not_pair_by_id(monkeypatch):
+    make = carrier_maker("pull")
+    P = make("kv_producer", fail_closed=True)
+    push_ids(monkeypatch, "0a1b2c3d", "4e5f6a7b")
+    prefill(P, prompt_of(PROMPT))
+    _, params = prefill(P, prompt_of(PROMPT, seed=5))
+    assert "kv_checksums" in params and stats(P) == {"sent": 2}
+
+
+def test_a_push_consumer_refuses_a_second_live_load_with_one_id(logs, monkeypatch):
+    from pd_harness import make_request
+
+    make = carrier_maker("push")
+    P = make("kv_producer", fail_closed=True)
+    C = make("kv_consumer", fail_closed=True)
+    prompt = prompt_of(PROMPT)
+    preq, params = prefill(P, prompt)
+    carried = params.pop("kv_checksums")
+    push_ids(monkeypatch, "0a1b2c3d", "4e5f6a7b")
+    loads = []
+    for _ in range(2):
+        req = make_request(prompt, params=dict(params), block_size=C.block_size)
+        C.scheduler.add_request(req)
+        C.step()
+        assert req.status.name == "WAITING_FOR_REMOTE_KVS"
+        C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
+        loads.append(req)
+    ids = {r.request_id for r in loads}
+    C.step(finished_recving=ids, received={r.request_id: carried for r in loads})
+    # The first load verifies; the second is refused, by its own reason, and fails (fail-closed).
+    assert stats(C) == {"verified": 1, "unverified": 1}, logs.text
+    assert C.reported_metrics[metrics.labelled(metrics.UNVERIFIED, "duplicate_request_id")] == 1
+    assert loads[1].is_finished() and not loads[0].is_finished()
+    assert "request 'req-dup-4e5f6a7b' shares its X-Request-Id 'req-dup'" in logs.text
+    # Both loads are over: the id is free for the next one.
+    push_ids(monkeypatch, "8c9d0e1f")
+    load(C, P, preq, {**params, "kv_checksums": carried})
+    assert stats(C) == {"verified": 2, "unverified": 1}, logs.text
+
+
+def test_live_ids_keep_the_first_request_and_free_the_id_with_it():
+    from vllm_kvchecksum.engine.push_ids import LiveIds
+
+    live = LiveIds()
+    assert live.add("a-0a1b2c3d") is None
+    assert live.add("a-0a1b2c3d") is None  # the same request again (preempted, rescheduled)
+    assert live.add("a-4e5f6a7b") == "a-0a1b2c3d"
+    assert live.add("b-4e5f6a7b") is None  # another id
+    live.remove("a-4e5f6a7b")  # the refused one leaving frees nothing
+    assert live.add("a-99999999") == "a-0a1b2c3d"
+    live.remove("a-0a1b2c3d")
+    assert live.add("a-99999999") is None
+    assert len(live) == 2

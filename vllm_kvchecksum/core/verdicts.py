@@ -30,6 +30,7 @@ class UnverifiedReason(str, enum.Enum):
     # The whole load.
     NO_PRODUCER_CHECKSUMS = "no_producer_checksums"  # none sent, or invalid
     PAYLOAD_VERSION = "payload_version"  # sent by a producer of another payload version
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"  # NIXL push: another live load shares its X-Request-Id
     MISSING_WORKERS = "missing_workers"  # not every TP x PP worker reported
     UNSCHEDULED_BLOCKS = "unscheduled_blocks"  # a worker checksummed other blocks
     MALFORMED_RECORD = "malformed_record"  # a record contradicts itself or others

@@ -28,7 +28,10 @@ KVChecksumProm.observe, which adds them to these counters on /metrics:
   vllm:kv_checksum_recomputed_tokens_total        loaded tokens those rollbacks
       dropped (the load's end minus what was kept)
   vllm:kv_checksum_sent_total                     producer payloads sent
-  vllm:kv_checksum_not_sent_total{reason}         producer payloads not sent
+  vllm:kv_checksum_not_sent_total{reason}         producer payloads not sent: the sum
+      failed ("sum_failed"), the connector carries nothing for the request
+      ("not_carried"), or NIXL push would pair it with another live request
+      of the same X-Request-Id ("duplicate_request_id", push_ids.py)
   vllm:kv_checksum_producer_intact_total          sends re-checked when their transfer
                                                   completed: the KV was as sent
   vllm:kv_checksum_producer_changed_total         sends whose KV changed on the producer
@@ -112,7 +115,7 @@ PRODUCER_READ_AFTER_RELEASE = "producer_read_after_release"
 # outside the process.
 NOT_COMPARED_REASONS = ("load_failed", "request_ended")
 CAUSES = ("corrupt", "wrong_request")
-NOT_SENT_REASONS = ("sum_failed", "not_carried")
+NOT_SENT_REASONS = ("sum_failed", "not_carried", "duplicate_request_id")
 ROLLBACKS = ("from_first_bad_block", "whole_prompt")
 OFFLOADED_NOT_CHECKED_REASONS = ("sync_load", "tier_not_covered", "no_groups")
 NOT_RECHECKED_REASONS = ("blocks_moved", "sum_failed")

@@ -42,6 +42,7 @@ from vllm_kvchecksum.core.verdicts import CheckStatus, LoadVerdict, UnverifiedRe
 from vllm_kvchecksum.engine.offload import OFFLOADED_SOURCE, compare_offloaded
 from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadVersionError, max_encoded_size, max_packed_size
 from vllm_kvchecksum.engine.request_binding import bind_payload, request_content
+from vllm_kvchecksum.engine.push_ids import LiveIds, clash_message, pairs_by_base_id
 from vllm_kvchecksum.engine.recheck import RecheckResult, RecheckStatus, recheck
 from vllm_kvchecksum.core.records import (KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord, KVChecksumScheduled,
                                           RecordPurpose)
@@ -241,6 +242,9 @@ class _Pending:
     # the incident line of a mismatch.
     remote: tuple[str | None, str | None] = (None, None)
     carrier: str | None = None
+    # Producer, NIXL push: the live request whose X-Request-Id this one
+    # shares (push_ids.py); its checksums are not sent.
+    clashes_with: str | None = None
 
 
 class KVChecksumScheduler:
@@ -266,6 +270,11 @@ class KVChecksumScheduler:
         self.offload_layouts = [layout for layout in self.layouts
                                 if not layout.is_state and layout.block_size == hash_block_size]
         self._step = KVChecksumScheduled()
+        # NIXL push pairs requests by their id without vLLM's suffix: live
+        # sends and loads by that id, to refuse a second one (push_ids.py).
+        self.pairs_by_base_id = pairs_by_base_id(connector)
+        self._live_sends = LiveIds()
+        self._live_loads = LiveIds()
         self._sends: dict[str, _Pending] = {}
         # Producer requests whose checksums were sent, until their transfer
         # completes (expected: the payload sent); then, until the re-check's
@@ -377,7 +386,9 @@ class KVChecksumScheduler:
         blocks = KVChecksumBlocks(num_tokens, request_blocks(block_ids, self.layouts, 0, num_tokens,
                                                              self.null_block_id))
         self._step.reqs_to_send[request.request_id] = blocks
-        self._sends[request.request_id] = _Pending(blocks)
+        pending = self._sends[request.request_id] = _Pending(blocks)
+        if self.pairs_by_base_id:
+            pending.clashes_with = self._live_sends.add(request.request_id)
 
     def add_recv(self, request: Request, block_ids, num_local_tokens: int, num_tokens: int) -> None:
         """A consumer request's async load of tokens [num_local_tokens, num_tokens) starts.
@@ -396,7 +407,15 @@ class KVChecksumScheduler:
                            producer_tp_size=self._producer_tp_size(request),
                            remote=incident.remote_ids(request.kv_transfer_params),
                            carrier=getattr(carrier, "value", str(carrier)), bound_to=request)
-        if carrier is KVChecksumCarrier.CONNECTOR:
+        other = (self._live_loads.add(request.request_id)
+                 if self.pairs_by_base_id and carrier is KVChecksumCarrier.CONNECTOR else None)
+        if other is not None:
+            # Its registration may be paired with the other load's producer
+            # request: nothing received for it can be trusted.
+            pending.missing_key = UnverifiedReason.DUPLICATE_REQUEST_ID
+            pending.missing_reason = clash_message("consumer", request.request_id, other)
+            logger.error("KV checksums: %s", pending.missing_reason)
+        elif carrier is KVChecksumCarrier.CONNECTOR:
             # The connector delivers them to the workers with the load (collect).
             pending.awaiting_connector = True
             pending.missing_reason = ("the connector delivered no KV checksums with the load (is "
@@ -678,6 +697,11 @@ class KVChecksumScheduler:
         if not in_params and carrier is not KVChecksumCarrier.CONNECTOR:
             self._not_carried(request.request_id, carrier, kv_transfer_params)
             return kv_transfer_params
+        if pending.clashes_with is not None:
+            self.stats["not_sent"] += 1
+            self._metrics[metrics.labelled(metrics.NOT_SENT, "duplicate_request_id")] += 1
+            logger.error("KV checksums: %s", clash_message("producer", request.request_id, pending.clashes_with))
+            return kv_transfer_params
         result = self._sum_own(request.request_id, pending)
         if result.payload is not None:
             try:
@@ -815,6 +839,7 @@ class KVChecksumScheduler:
 
     def release_send(self, req_id: str) -> None:
         """The Scheduler freed the request's blocks: nothing of them is left to re-check."""
+        self._live_sends.remove(req_id)
         self._sent.pop(req_id, None)
         self._rechecking.pop(req_id, None)
         self._step.reqs_to_recheck.pop(req_id, None)
@@ -1107,6 +1132,7 @@ class KVChecksumScheduler:
         that started in this step and is not sent yet is not sent at all.
         """
         pending = self._recvs.pop(req_id, None)
+        self._live_loads.remove(req_id)
         if pending is not None:
             self._step.reqs_to_recv.pop(req_id, None)
             self._step.reqs_to_forget.add(req_id)
