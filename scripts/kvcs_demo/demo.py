@@ -417,9 +417,10 @@ def forged_payloads(real: str) -> dict[str, str]:
 
     payload = KVChecksumPayload.decode(real)
     # Accepted by the decoder (every field below its bounds), yet no consumer
-    # block lines up with it: one block of 2**40 - 1 tokens.
+    # block lines up with it: one block of 2**40 - 1 tokens (and no binding
+    # to the prompt, which would have to cover them).
     extreme = dataclasses.replace(
-        payload, num_tokens=MAX_TOKENS - 1,
+        payload, num_tokens=MAX_TOKENS - 1, binding=None,
         groups={gid: dataclasses.replace(g, block_size=MAX_TOKENS - 1, start=0, values=g.values[:1])
                 for gid, g in payload.groups.items()})
     return {"malformed": "%%not-a-payload%%" + real[:40], "extreme_values": extreme.encode()}

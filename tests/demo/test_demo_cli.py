@@ -1169,3 +1169,25 @@ def test_join_waits_for_every_producer_line(tmp_path, monkeypatch):
         timer.join()
     assert (a.producer_recheck, b.producer_recheck) == ("intact", "intact")
     assert a.ok and b.ok, (a.problem, b.problem)
+
+
+def test_the_hostile_clients_forgeries_decode_from_a_bound_payload():
+    """The extreme forgery is a valid payload built from a real (bound) one: the consumer
+    must get past decoding to show it keeps serving a payload no block lines up with."""
+    import numpy as np
+
+    from kvcs_demo.demo import forged_payloads
+    from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadBinding, PayloadGroup
+
+    real = KVChecksumPayload(num_tokens=77, producer_tp_size=1,
+                             groups={0: PayloadGroup(5, 16, 0, np.arange(5, dtype=np.uint64))},
+                             binding=PayloadBinding(32, np.arange(3, dtype=np.uint64))).encode()
+    forged = forged_payloads(real)
+    extreme = KVChecksumPayload.decode(forged["extreme_values"])
+    assert extreme.binding is None and extreme.groups[0].num_blocks == 1
+    try:
+        KVChecksumPayload.decode(forged["malformed"])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("the malformed forgery decoded")
