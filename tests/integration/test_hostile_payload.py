@@ -119,23 +119,26 @@ def fields_of(payload: KVChecksumPayload) -> Forgery:
 def forged_text(original: KVChecksumPayload, forgery: Forgery) -> str:
     """The original's checksum values under the forged fields, as kv_checksums text.
 
+    With the original's binding to the prompt where it still fits the forged
+    token count (a client keeps what it cannot recompute), else none.
     Through KVChecksumPayload.encode when the fields make a valid payload;
     otherwise packed by hand in the same wire format, for the consumer's
     decoder to refuse.
     """
     (values,) = (group.values[:forgery.num_blocks] for group in original.groups.values())
-    try:
-        payload = KVChecksumPayload(
-            num_tokens=forgery.num_tokens, producer_tp_size=forgery.producer_tp_size,
-            groups={forgery.group_id: PayloadGroup(forgery.fingerprint, forgery.block_size,
-                                                   forgery.start, values)})
-    except ValueError:
-        group = (forgery.group_id, forgery.fingerprint, forgery.block_size, forgery.start,
-                 values.astype("<u8").tobytes())
-        message = (PAYLOAD_VERSION, (forgery.num_tokens, forgery.producer_tp_size, [group]))
-        return base64.b64encode(msgpack.packb(message, use_bin_type=True)).decode("ascii")
-    return payload.encode()
-
+    for binding in (original.binding, None):
+        try:
+            payload = KVChecksumPayload(
+                num_tokens=forgery.num_tokens, producer_tp_size=forgery.producer_tp_size,
+                groups={forgery.group_id: PayloadGroup(forgery.fingerprint, forgery.block_size,
+                                                       forgery.start, values)}, binding=binding)
+        except ValueError:
+            continue
+        return payload.encode()
+    group = (forgery.group_id, forgery.fingerprint, forgery.block_size, forgery.start,
+             values.astype("<u8").tobytes())
+    message = (PAYLOAD_VERSION, (forgery.num_tokens, forgery.producer_tp_size, [group], [], None))
+    return base64.b64encode(msgpack.packb(message, use_bin_type=True)).decode("ascii")
 
 
 def assert_clean_load_verifies(producer: Side, consumer: Side, seed: int) -> None:
