@@ -195,7 +195,7 @@ def checksum_scheduler_with_loads(num_loads, load_tokens, rng):
     pool = rng.permutation(np.arange(1, max(IN_FLIGHT) * blocks_per_load + 1))
     for i in range(num_loads):
         block_ids = pool[i * blocks_per_load:(i + 1) * blocks_per_load].tolist()
-        request = SimpleNamespace(request_id=f"load-{i}", kv_transfer_params={})
+        request = SimpleNamespace(request_id=f"load-{i}", kv_transfer_params={}, num_tokens=load_tokens)
         checksums.add_recv(request, (block_ids,), 0, load_tokens)
     return checksums
 

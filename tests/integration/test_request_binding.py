@@ -203,3 +203,48 @@ def test_live_ids_keep_the_first_request_and_free_the_id_with_it():
     live.remove("a-0a1b2c3d")
     assert live.add("a-99999999") is None
     assert len(live) == 2
+
+
+def test_a_vllm_requests_content_is_read_as_its_block_hashes_would_see_it():
+    """request_content reads the token ids, the LoRA name (not its path), the cache salt, the
+    multimodal identifiers and placeholders and the embedding rows of a vLLM Request."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from vllm_kvchecksum.engine.request_binding import request_content
+
+    def request(prompt=None, lora=None, salt=None):
+        return Request(request_id="r", prompt_token_ids=prompt or prompt_of(40), sampling_params=SamplingParams(),
+                       pooling_params=None, lora_request=lora, cache_salt=salt)
+
+    def runs(req):
+        return request_content(req).block_bindings(16, 40).tolist()
+
+    base = runs(request())
+    assert runs(request()) == base
+    assert runs(request(prompt=edited(prompt_of(40), 39)))[:2] == base[:2]
+    assert runs(request(prompt=edited(prompt_of(40), 39)))[2] != base[2]
+    named = runs(request(lora=LoRARequest("adapter", 1, "/mnt/a")))
+    assert named != base
+    assert runs(request(lora=LoRARequest("adapter", 2, "/elsewhere/a"))) == named  # the path may differ per host
+    assert runs(request(salt="tenant-1")) not in (base, runs(request(salt="tenant-2")))
+
+    def fake(mm=(), embeds=None):
+        return SimpleNamespace(all_token_ids=prompt_of(40), lora_request=None, cache_salt=None, mm_features=[
+            SimpleNamespace(mm_position=SimpleNamespace(offset=o, length=n), identifier=i) for o, n, i in mm],
+            prompt_embeds=embeds)
+
+    assert runs(fake()) == base  # read through all_token_ids as well
+    image = runs(fake(mm=[(8, 10, "img-a")]))
+    assert image[0] != base[0] and image[2] == base[2]
+    assert runs(fake(mm=[(8, 10, "img-b")])) != image
+    rows = torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6).to(torch.bfloat16)
+    with_rows = runs(fake(embeds=rows))
+    changed = rows.clone()
+    changed[39, 5] += 1
+    assert with_rows != base and runs(fake(embeds=changed))[:2] == with_rows[:2]
+    assert runs(fake(embeds=changed))[2] != with_rows[2]

@@ -258,3 +258,50 @@ def test_payload_binding_is_required_to_cover_every_token():
     assert payload.binding.values.shape == (3,)
     with pytest.raises(ValueError):
         dataclasses.replace(payload, num_tokens=N + 1)
+
+
+def test_a_token_moved_within_a_run_changes_its_binding():
+    ids = tokens(32)
+    swapped = ids.copy()
+    swapped[[3, 9]] = ids[[9, 3]]
+    assert ids[3] != ids[9]
+    a, b = TokenContent(ids).block_bindings(16, 32), TokenContent(swapped).block_bindings(16, 32)
+    assert a[0] != b[0] and a[1] == b[1]
+
+
+def test_a_state_is_foreign_whatever_its_block_size_says():
+    # A Mamba state summarizes every token before it: a difference past its
+    # block's tokens (token 90, with a 16-token state block at position 0)
+    # still makes it another request's state.
+    ours, theirs = tokens(N, seed=9), tokens(N, seed=9).copy()
+    theirs[90] += 1
+    state = np.array([4242], np.uint64)
+    payload = KVChecksumPayload(num_tokens=N, producer_tp_size=1,
+                                groups={1: PayloadGroup(FINGERPRINT, 16, 0, state)},
+                                binding=PayloadBinding(16, TokenContent(theirs).block_bindings(16, N)))
+    verdict = compare_load(payload, [record({1: (0, 16, state)})], REQ, 1, {1: (0, 1, 16, True)}, N,
+                           own=TokenContent(ours))
+    assert verdict.status is CheckStatus.MISMATCH and verdict.groups[1].foreign_blocks == (0,)
+
+
+def test_the_first_of_several_differing_runs_is_where_the_foreign_blocks_start():
+    ours, theirs = tokens(N, seed=10), tokens(N, seed=10).copy()
+    theirs[20] += 1  # run 1
+    theirs[70] += 1  # run 4
+    values = kv_values(10, N, 16)
+    payload = payload_for(TokenContent(theirs), values, N, 16)
+    verdict = compare_load(payload, [record({0: (0, 16, values)})], REQ, 1, {0: (0, 6, 16)}, N,
+                           own=TokenContent(ours))
+    group = verdict.groups[0]
+    assert group.foreign_blocks == (1, 2, 3, 4, 5) and group.foreign_from_token == 16
+    assert first_difference(TokenContent(ours), 16, payload.binding.values, N, N) == 16
+
+
+def test_every_embedding_row_is_bound_the_last_included():
+    ids = np.zeros(40, np.int64)  # prompt embeddings: placeholder ids
+    digests = np.arange(40, dtype=np.uint64)
+    changed = digests.copy()
+    changed[-1] += np.uint64(1)
+    a = TokenContent(ids, embedding_digests=digests).block_bindings(16, 40)
+    b = TokenContent(ids, embedding_digests=changed).block_bindings(16, 40)
+    assert a[:2].tolist() == b[:2].tolist() and a[2] != b[2]

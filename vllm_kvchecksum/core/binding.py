@@ -63,6 +63,20 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
+_position_terms = np.zeros(0, dtype=np.uint64)
+
+
+def _positions(n: int) -> np.ndarray:
+    """C1 * (t + 1) for t < n, from a table kept for the longest request seen
+    (so at most max_model_len entries)."""
+    global _position_terms
+    if _position_terms.shape[0] < n:
+        with np.errstate(over="ignore"):
+            _position_terms = _C1 * np.arange(1, max(n, 2 * _position_terms.shape[0]) + 1, dtype=np.uint64)
+        _position_terms.flags.writeable = False
+    return _position_terms[:n]
+
+
 def digest64(*parts: bytes | str | None) -> int:
     """A 64-bit digest of a few labelled parts (None is its own value)."""
     h = hashlib.blake2b(digest_size=8, person=b"kvcs-binding")
@@ -112,23 +126,24 @@ class TokenContent:
     def token_hashes(self) -> np.ndarray:
         """h_t for every token, uint64."""
         n = self.num_tokens
-        ids = np.asarray(self.token_ids, dtype=np.int64).astype(np.uint64)
-        extra = np.zeros(n, dtype=np.uint64)
-        for span in self.mm_spans:
-            lo, hi = max(0, span.offset), min(n, span.offset + span.length)
-            if lo >= hi:
-                continue
-            base = np.uint64(digest64(b"mm", span.identifier))
-            with np.errstate(over="ignore"):
-                extra[lo:hi] += _mix(base + np.arange(lo - span.offset, hi - span.offset, dtype=np.uint64))
-        if self.embedding_digests is not None:
-            digests = np.asarray(self.embedding_digests, dtype=np.uint64)
-            m = min(n, digests.shape[0])
-            with np.errstate(over="ignore"):
-                extra[:m] += _mix(digests[:m].copy() ^ np.uint64(0x5851F42D4C957F2D))
+        ids = np.asarray(self.token_ids)
+        # In place from one copy: this runs on a scheduler thread, once per
+        # request and side, over every token (docs/performance.md).
+        x = ids.astype(np.uint64) if ids.dtype != np.uint64 else ids.copy()
         with np.errstate(over="ignore"):
-            x = (np.uint64(self.seed()) + _C1 * np.arange(1, n + 1, dtype=np.uint64)
-                 + _C2 * ids + extra)
+            x *= _C2
+            x += _positions(n)
+            x += np.uint64(self.seed())
+            for span in self.mm_spans:
+                lo, hi = max(0, span.offset), min(n, span.offset + span.length)
+                if lo >= hi:
+                    continue
+                base = np.uint64(digest64(b"mm", span.identifier))
+                x[lo:hi] += _mix(base + np.arange(lo - span.offset, hi - span.offset, dtype=np.uint64))
+            if self.embedding_digests is not None:
+                digests = np.asarray(self.embedding_digests, dtype=np.uint64)
+                m = min(n, digests.shape[0])
+                x[:m] += _mix(digests[:m].copy() ^ np.uint64(0x5851F42D4C957F2D))
         return _mix(x)
 
     def prefix_sums(self) -> np.ndarray:

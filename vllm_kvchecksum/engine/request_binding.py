@@ -17,6 +17,7 @@ serving the same request:
 
 from __future__ import annotations
 
+import array
 from typing import Any
 
 import numpy as np
@@ -41,11 +42,23 @@ def request_content(request: Any) -> TokenContent:
         spans.append(MultimodalSpan(int(position.offset), int(position.length), str(identifier)))
     embeds = getattr(request, "prompt_embeds", None)
     return TokenContent(
-        token_ids=np.asarray(list(request.all_token_ids), dtype=np.int64),
+        token_ids=token_array(request),
         lora_name=None if lora is None else str(lora.lora_name),
         cache_salt=getattr(request, "cache_salt", None),
         mm_spans=tuple(spans),
         embedding_digests=None if embeds is None else embedding_digests(embeds))
+
+
+def token_array(request: Any) -> np.ndarray:
+    """The request's token ids as int64, read from vLLM's list in one pass.
+
+    Converting a Python list is most of the binding's cost for a long
+    prompt; array.array reads it faster than numpy does.
+    """
+    tokens = getattr(request, "_all_token_ids", None)
+    if not isinstance(tokens, list):
+        tokens = list(request.all_token_ids)
+    return np.frombuffer(array.array("q", tokens), dtype=np.int64)
 
 
 def embedding_digests(embeds: Any) -> np.ndarray:
