@@ -1,19 +1,31 @@
-"""KV loaded back from a real Mooncake store is checked, and what fails is removed.
+"""KV loaded back from a real Mooncake store is checked, what fails is removed,
+and KV that failed its check never goes back into the store.
 
 Real parts only: a `mooncake_master` (from mooncake-transfer-engine-non-cuda)
 on loopback ports, two real vLLM engines of the patched tree on the CPU
 backend with MooncakeStoreConnector over TCP and KV checksums on, and the
 store's own client API in the test to read keys and corrupt a value.
 
-Instance A (kv_both) computes two prompts and stores their full blocks, each
-value carrying its block's checksum entry. The test flips one bit in the KV
-part of one of the first prompt's values (upsert, through the store). Then
-instance B (kv_consumer, empty cache, fail-closed, policy recompute) serves
-both prompts from the store: the clean one verifies, the corrupted one is a
-mismatch at that block, B's scheduler has worker rank 0 remove the block's
-keys from the store, and the request is recomputed, so both outputs equal
-A's. Afterwards the corrupted key is gone from the store and the others are
-still there.
+Instance A (kv_both, fail-open) computes three prompts and stores their full
+blocks, each value carrying its block's checksum entry. The test flips one
+bit in the KV part of one value of the first prompt and of the third.
+
+A serves the third prompt again with its own prefix cache emptied: it loads
+the prompt back from the store, finds the mismatch, has the bad block's keys
+removed and, fail-open, uses the KV. That block and every one after it stay
+the request's own (vllm_kvchecksum.engine.export_guard): A's store connector
+does not put the bad block back (before the guard it did, with an entry
+computed from the corrupted bytes, which every later load then verified), and
+a second request on A hits only the blocks before it, locally, and the store
+has nothing after them.
+
+Then instance B (kv_consumer, empty cache, fail-closed, policy recompute)
+serves all three from the store: the first is a mismatch at its bad block,
+B's scheduler has worker rank 0 remove the block's keys from the store, and
+the request is recomputed; the second loads and verifies; the third loads
+only the blocks before A's bad one (a store miss from there) and computes the
+rest. All outputs equal A's first ones. Afterwards the removed keys are gone
+from the store and the others are still there.
 
 Marked e2e (two engines; about two minutes on two cores).
 """
@@ -22,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -45,9 +58,9 @@ from kvcs_demo.store import Master, kill_group  # noqa: E402
 class Engine:
     """A store_engine.py subprocess; `lines` is everything it printed."""
 
-    def __init__(self, role: str, master: Master, tmp: Path, lookup_rpc_port: int):
+    def __init__(self, role: str, master: Master, tmp: Path, lookup_rpc_port: int, fail_open: bool = False):
         env = dict(os.environ, MOONCAKE_CONFIG_PATH=str(master.config), KVCS_STORE_MODEL=str(MODEL),
-                   KVCS_LOOKUP_RPC_PORT=str(lookup_rpc_port),
+                   KVCS_LOOKUP_RPC_PORT=str(lookup_rpc_port), KVCS_FAIL_OPEN="1" if fail_open else "0",
                    VLLM_HOST_IP="127.0.0.1", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
                    VLLM_TARGET_DEVICE="cpu", HF_HOME=str(ROOT / "build" / "hf-home"), HF_HUB_OFFLINE="1",
                    VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
@@ -86,6 +99,11 @@ class Engine:
         self.proc.stdin.flush()
         return self._next(300)
 
+    def reset_prefix_cache(self) -> bool:
+        self.proc.stdin.write(json.dumps({"reset_prefix_cache": True}) + "\n")
+        self.proc.stdin.flush()
+        return self._next(60)["reset"]
+
     def log(self) -> str:
         with self._cond:
             return "\n".join(self.lines)
@@ -123,50 +141,116 @@ def master(tmp_path):
     m.stop()
 
 
+def _corrupt(store, key: str) -> bytes:
+    """Flip one bit of the KV of one stored value, through the store's API; the corrupted value."""
+    value = bytearray(store.get(key))
+    assert len(value) > 8
+    value[len(value) // 3] ^= 0x04
+    assert store.upsert(key, bytes(value)) == 0
+    assert bytes(store.get(key)) == bytes(value)
+    return bytes(value)
+
+
+def _bad_position(log: str) -> int:
+    """The one block position a fail-open load's mismatch names in the engine's log."""
+    found = re.findall(r"\(offloaded KV loaded back\): group 0 differs at block positions (\d+) .*fail-open", log)
+    assert len(found) == 1, log[-4000:]
+    return int(found[0])
+
+
+def _series_lacks_export_guard() -> bool:
+    """Only under `make check-series` (which runs this test from patch 0016 on):
+    whether this prefix of the series is before the patch that keeps KV which
+    failed its check from leaving the instance; the fail-open part is left out
+    there. Anywhere else False, so a lost guard fails the test."""
+    tree = os.environ.get("KVCS_VLLM_TREE")
+    if not tree:
+        return False
+    store_scheduler = Path(tree) / "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/scheduler.py"
+    return "_keep_failed_kv_out" not in store_scheduler.read_text()
+
+
 def test_corrupted_store_value_is_caught_removed_and_recomputed(master, tmp_path):
-    bad_prompt, clean_prompt = _prompt(1), _prompt(2)
+    bad_prompt, clean_prompt, reused_prompt = _prompt(1), _prompt(2), _prompt(3)
+    guarded = not _series_lacks_export_guard()
     # Each instance its own lookup_rpc_port (see store_engine.py).
-    a = Engine("kv_both", master, tmp_path, lookup_rpc_port=master.http)
+    a = Engine("kv_both", master, tmp_path, lookup_rpc_port=master.http, fail_open=True)
     try:
         first = a.generate([bad_prompt])
         _wait_for(lambda: len(master.keys()) == 4, "A's 4 blocks of the first prompt in the store")
         bad_prompt_keys = master.keys()
         second = a.generate([clean_prompt])
         _wait_for(lambda: len(master.keys()) == 8, "A's 4 blocks of the second prompt in the store")
+        before = master.keys()
+        third = a.generate([reused_prompt])
+        _wait_for(lambda: len(master.keys()) == 12, "A's 4 blocks of the third prompt in the store")
         keys = master.keys()
         # Values with checksums have their own namespace.
         assert all("@kv_checksums" in k for k in keys), keys
 
-        # Corrupt one stored value through the store's API: one bit of its KV.
+        # Corrupt one stored value of the first prompt and one of the third: one bit of its KV.
         store = master.client()
-        victim = sorted(bad_prompt_keys)[0]
-        value = bytearray(store.get(victim))
-        assert len(value) > 8
-        value[len(value) // 3] ^= 0x04
-        assert store.upsert(victim, bytes(value)) == 0
-        assert bytes(store.get(victim)) == bytes(value)
+        victim, reused_victim = sorted(bad_prompt_keys)[0], sorted(keys - before)[0]
+        _corrupt(store, victim)
+        bad, removed_by_a, removed = 4, 0, {victim}
+        if guarded:
+            corrupted = _corrupt(store, reused_victim)
+            removed.add(reused_victim)
+            # A (fail-open), its own prefix cache emptied, loads the third
+            # prompt back from the store: a mismatch at the bad block, whose
+            # keys A's worker removes, and A uses the KV. That block and all
+            # after it stay the request's own: A's store connector does not put
+            # the bad block back (before patch 0027 it did, with an entry
+            # computed from the corrupted bytes, which every later load then
+            # verified).
+            assert a.reset_prefix_cache()
+            again = a.generate([reused_prompt])
+            assert again["cached"] == [4 * BLOCK], a.log()[-4000:]
+            bad = _bad_position(a.log())
+            _wait_for(lambda: "removed 1 keys of 1 blocks that failed their KV checksums" in a.log(),
+                      "A to remove the bad block's keys")
+            removed_by_a = a.log().count("removed 1 keys of 1 blocks that failed their KV checksums")
+            assert removed_by_a == 1, a.log()[-4000:]
+            time.sleep(2)  # A's store jobs of that request, had it any, are done by now
+            assert reused_victim not in master.keys(), "A put the block that failed its check back into the store"
 
         b = Engine("kv_consumer", master, tmp_path, lookup_rpc_port=master.metrics)
         try:
-            result = b.generate([bad_prompt, clean_prompt])
+            result = b.generate([bad_prompt, clean_prompt, reused_prompt])
         finally:
             b.close()
             log = b.log()
             (tmp_path / "engine-b.log").write_text(log)
-            (tmp_path / "engine-a.log").write_text(a.log())
-        # Both served from the store (4 blocks each), and the outputs are A's:
-        # the corrupted one recomputed, the clean one loaded and verified.
-        assert result["outputs"] == [first["outputs"][0], second["outputs"][0]], log[-4000:]
+        # The first two served from the store (4 blocks each), and the outputs
+        # are A's: the corrupted one recomputed, the clean one loaded and
+        # verified. The third loaded only the blocks before A's bad one (the
+        # store misses from there) and computed the rest: B never loads what A
+        # found bad, neither verified nor as a mismatch.
+        assert result["outputs"] == [first["outputs"][0], second["outputs"][0], third["outputs"][0]], log[-4000:]
+        assert result["cached"] == [4 * BLOCK, 4 * BLOCK, bad * BLOCK], log[-4000:]
         assert "KV checksum mismatch for request" in log and "(offloaded KV loaded back)" in log, log[-4000:]
+        assert log.count("KV checksum mismatch for request") == 1, log[-4000:]
         assert "KV checksums of request" in log and "verified" in log
         assert "Removing 1 Mooncake store blocks of request" in log, log[-4000:]
         assert "removed 1 keys of 1 blocks that failed their KV checksums" in log, log[-4000:]
         # B's own worker removed them (not A's: each has its own lookup channel).
-        assert "removed" not in "\n".join(l for l in a.log().splitlines() if "KV checksums" in l)
-        # The corrupted key is gone, the others stay (asked of the store's client and its master).
+        assert a.log().count("removed 1 keys of 1 blocks that failed their KV checksums") == removed_by_a
+        # The corrupted keys are gone, the others stay (asked of the store's client and its master).
         _wait_for(lambda: victim not in master.keys(), "the corrupted key to be removed")
-        assert store.is_exist(victim) == 0
-        assert master.keys() == keys - {victim}
-        assert all(store.is_exist(k) == 1 for k in keys - {victim})
+        assert all(store.is_exist(k) == 0 for k in removed)
+        assert master.keys() == keys - removed
+        assert all(store.is_exist(k) == 1 for k in keys - removed)
+        if not guarded:
+            return
+
+        # A second request on A hits its own prefix cache up to the bad block
+        # only, and the store has nothing from there: it computes the rest,
+        # and its store connector puts that block again, computed afresh.
+        again_on_a = a.generate([reused_prompt])
+        assert again_on_a["cached"] == [bad * BLOCK], a.log()[-4000:]
+        assert again_on_a["outputs"] == third["outputs"]
+        _wait_for(lambda: reused_victim in master.keys(), "A to store the recomputed block")
+        assert bytes(store.get(reused_victim)) != corrupted
     finally:
+        (tmp_path / "engine-a.log").write_text(a.log())
         a.close()

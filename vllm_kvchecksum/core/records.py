@@ -74,6 +74,10 @@ class KVChecksumScheduled:
     judges this step's synchronous loads and re-checks (with a batch queue
     or PP several steps are in flight, and one request can load in two of
     them).
+    tainted_blocks: the block ids whose KV failed its check (fail-open) and
+    must never leave the instance with a valid checksum entry, when the set
+    changed since the last step (None: unchanged); each worker keeps the last
+    one (engine/export_guard.py).
     """
 
     reqs_to_send: dict[str, KVChecksumBlocks] = field(default_factory=dict)
@@ -82,10 +86,11 @@ class KVChecksumScheduled:
     reqs_loaded: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     reqs_to_recheck: dict[str, KVChecksumBlocks] = field(default_factory=dict)
     step: int = 0
+    tainted_blocks: frozenset[int] | None = None
 
     def is_empty(self) -> bool:
         return not (self.reqs_to_send or self.reqs_to_recv or self.reqs_to_forget or self.reqs_loaded
-                    or self.reqs_to_recheck)
+                    or self.reqs_to_recheck or self.tainted_blocks is not None)
 
 
 @dataclass

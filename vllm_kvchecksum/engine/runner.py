@@ -88,8 +88,11 @@ def checksum_loaded(worker: KVChecksumWorker | None,
     in the same step may refill the entries of blocks a synchronous load
     wrote (another request can hit them in the prefix cache at once), and
     the entries must be read as the load left them. Pass the result to
-    checksum_step as `loaded`.
+    checksum_step as `loaded`. Takes the step's tainted blocks too, before
+    that save fills their entries (export_guard.py).
     """
+    if worker is not None and scheduled is not None and scheduled.tainted_blocks is not None:
+        worker.tainted_blocks = scheduled.tainted_blocks
     if worker is None or scheduled is None or not scheduled.reqs_loaded:
         return None
     return worker.compute(scheduled.reqs_loaded, replica_zero_only=False, purpose=RecordPurpose.SYNC_LOAD)

@@ -40,6 +40,7 @@ from vllm_kvchecksum.engine import incident, metrics
 from vllm_kvchecksum.core.compare import ProducerSum, compare_load, sum_producer
 from vllm_kvchecksum.core.verdicts import CheckStatus, LoadVerdict, UnverifiedReason, format_positions
 from vllm_kvchecksum.engine.offload import OFFLOADED_SOURCE, compare_offloaded
+from vllm_kvchecksum.engine.export_guard import ExportGuard, clip_payload
 from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadVersionError, max_encoded_size, max_packed_size
 from vllm_kvchecksum.engine.request_binding import bind_payload, request_content
 from vllm_kvchecksum.engine.push_ids import LiveIds, clash_message, pairs_by_base_id
@@ -311,6 +312,8 @@ class KVChecksumScheduler:
         # (take_cache_limits).
         self._failed_prefix: dict[str, tuple[int | None, int]] = {}
         self._cache_limits: dict[str, int] = {}
+        # Where KV leaves the instance, those requests' KV from their limit on does not (export_guard.py).
+        self.export_guard = ExportGuard(self.blocks_from)
         # The gauges as last reported (take_metrics); all 0 at the start.
         self._gauges_reported: dict[str, int] = dict.fromkeys(metrics.GAUGES, 0)
 
@@ -640,6 +643,7 @@ class KVChecksumScheduler:
         flight sends nothing.
         """
         step, self._step = self._step, KVChecksumScheduled(step=self._step.step + 1)
+        step.tainted_blocks = self.export_guard.step_blocks()
         return None if step.is_empty() else step
 
     def collect(self, output: KVChecksumOutput | None) -> None:
@@ -702,7 +706,7 @@ class KVChecksumScheduler:
             self._metrics[metrics.labelled(metrics.NOT_SENT, "duplicate_request_id")] += 1
             logger.error("KV checksums: %s", clash_message("producer", request.request_id, pending.clashes_with))
             return kv_transfer_params
-        result = self._sum_own(request.request_id, pending)
+        result = clip_payload(self._sum_own(request.request_id, pending), request, self.layouts)
         if result.payload is not None:
             try:
                 result = ProducerSum(bind_payload(result.payload, request))
@@ -950,6 +954,7 @@ class KVChecksumScheduler:
         max_cached_tokens and evicts its blocks from there on (blocks_from).
         """
         limits, self._cache_limits = self._cache_limits, {}
+        self.export_guard.taint(limits)
         return limits
 
     def blocks_from(self, num_tokens: int, block_ids) -> set[int]:

@@ -27,6 +27,7 @@ from vllm_kvchecksum.engine.group_plan import GroupPlan, TPPosition, plan_groups
 from vllm_kvchecksum.core.host_copy import PendingHostCopy, new_copy_stream
 from vllm_kvchecksum.core.records import (GroupChecksums, KVChecksumBlocks, KVChecksumOutput, KVChecksumRecord,
                                           RecordPurpose)
+from vllm_kvchecksum.engine.export_guard import TAINTED_ENTRY
 from vllm_kvchecksum.engine.offload import block_checksum_tags
 from vllm_kvchecksum.core.rows import BLOCK_IDS, RequestBlocks, build_rows
 
@@ -69,6 +70,10 @@ class KVChecksumWorker:
         self.num_blocks = kv_cache_config.num_blocks
         self.block_checksums: torch.Tensor | None = None
         self.offload_groups: frozenset[int] = frozenset()
+        # Block ids holding KV that failed its check (fail-open), as the
+        # scheduler last said (KVChecksumScheduled.tainted_blocks): their
+        # entries are saved poisoned (export_guard.py).
+        self.tainted_blocks: frozenset[int] = frozenset()
         for gid, reason in sorted(self.skipped_groups.items()):
             logger.warning("KV checksums: KV cache group %d is not checksummed: %s", gid, reason)
         if tp_rank == 0:
@@ -283,7 +288,9 @@ class KVChecksumWorker:
         block hashes). Queued on the current stream: call after the forward
         that wrote the blocks and before the connector reads them (e.g.
         before the event its sending thread waits on). Runs of groups not
-        covered are ignored.
+        covered are ignored. A block holding KV that failed its check
+        (tainted_blocks) gets an entry that never matches it, so no load of
+        it from any tier verifies.
         """
         if self.block_checksums is None:
             return
@@ -302,7 +309,11 @@ class KVChecksumWorker:
         for gi, gid in enumerate(gids):
             for run, (row, count) in zip(by_group[gid], rows.requests[gi]):
                 picked.append(np.arange(row, row + count))
-                tags.append(block_checksum_tags(run.block_hashes, self.fingerprints[gid]))
+                tag = block_checksum_tags(run.block_hashes, self.fingerprints[gid])
+                if self.tainted_blocks:
+                    tag = tag ^ np.array([TAINTED_ENTRY if b in self.tainted_blocks else 0 for b in run.block_ids],
+                                         dtype=np.uint64)
+                tags.append(tag)
         picked_rows = torch.from_numpy(np.concatenate(picked)).to(self.device, non_blocking=True)
         tag_values = torch.from_numpy(np.concatenate(tags).view(np.int64)).to(self.device, non_blocking=True)
         values = out.sum(dim=1).index_select(0, picked_rows) ^ tag_values
