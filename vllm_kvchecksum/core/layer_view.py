@@ -104,7 +104,9 @@ class LayerView:
     first_head: the global index of this rank's first KV head; the rank
       holds heads first_head .. first_head + heads - 1.
     path: "auto" (Triton on CUDA when it imports, the Numba pass on CPU
-      when numba imports, else PyTorch), "torch", "numba" (CPU tensors
+      when numba imports and the pass runs (kernels.numba_available), else
+      PyTorch; a Numba pass that raises gives way to PyTorch, see
+      _accumulate_compiled), "torch", "numba" (CPU tensors
       only) or "triton" (forcing one is for tests and benchmarks; on CPU
       tensors the kernel runs only under TRITON_INTERPRET=1). The chosen
       path is the `path` attribute, which may also be reassigned.
@@ -214,7 +216,8 @@ class LayerView:
             raise ValueError("path='triton' was forced but triton does not import")
         if path == "numba":
             if not kernels.numba_available():
-                raise ValueError("path='numba' was forced but numba does not import")
+                raise ValueError("path='numba' was forced but numba does not import, or the compiled "
+                                 "pass cannot run here (see the warning logged)")
             if self.device.type != "cpu":
                 raise ValueError(
                     f"path='numba' reads host memory; the cache is on {self.device}")
@@ -249,11 +252,39 @@ class LayerView:
             triton_kernel.accumulate(self, out, column, block_ids,
                                      first_tokens, valid_tokens)
         else:
+            if self.path == "numba" and self.device.type == "cpu" and self._accumulate_compiled(
+                    out, column, block_ids, first_tokens, valid_tokens):
+                return
             if self._path_impl_for != self.path:
                 self._path_impl = self._make_path_impl()
                 self._path_impl_for = self.path
             self._path_impl.accumulate(out, column, block_ids, first_tokens,
                                        valid_tokens)
+
+    def _accumulate_compiled(self, out, column, block_ids, first_tokens,
+                             valid_tokens) -> bool:
+        """Run the Numba pass, which never stops the caller: True if it ran.
+        If it raises (anything but a bad block id, the caller's error), out
+        is put back as it was, and this view and every later one take the
+        PyTorch path (kernels.switch_numba_off, one warning): False, and
+        the caller computes this call there."""
+        from vllm_kvchecksum.core import kernels
+        if kernels.numba_switched_off() is None:
+            before = out[:, column].clone()
+            try:
+                if self._path_impl_for != "numba":
+                    self._path_impl = self._make_path_impl()
+                    self._path_impl_for = "numba"
+                self._path_impl.accumulate(out, column, block_ids, first_tokens,
+                                           valid_tokens)
+                return True
+            except kernels.BlockIdOutOfRange:
+                raise
+            except Exception as exc:
+                out[:, column] = before
+                kernels.switch_numba_off(exc)
+        self.path = "torch"
+        return False
 
     def _make_path_impl(self):
         if self.path == "numba":

@@ -44,7 +44,12 @@ fork); one core already reads at about a numpy sum's speed
 start), for one signature per piece width, and cached on disk (numba's
 cache=True: NUMBA_CACHE_DIR, else next to this file, else the user's cache
 folder; with none writable it compiles in each process, with a warning),
-so no request pays for compilation.
+so no request pays for compilation. A cache built beforehand in one of
+those folders that is read-only here (a read-only image) is loaded too
+(_DiskCache); a damaged one is compiled afresh and saved anew (_build).
+kernels.numba_available then runs self_check, and LayerView gives way to
+the PyTorch path if the pass raises in a step: no error of the pass stops
+a worker.
 """
 
 from __future__ import annotations
@@ -52,16 +57,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import logging
+import os
+import tempfile
+from dataclasses import dataclass
 
 import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba.core import cgutils, types
+from numba.core import cgutils, typeinfer, types
+from numba.core.caching import (CompileResultCacheImpl, FunctionCache, InTreeCacheLocator, UserProvidedCacheLocator,
+                                UserWideCacheLocator, _Cache)
 from numba.extending import intrinsic
 
+from vllm_kvchecksum.core.kernels import BlockIdOutOfRange
+from vllm_kvchecksum.core.pieces import CachePieces
+
 if TYPE_CHECKING:
-    from vllm_kvchecksum.core.pieces import CachePieces, PieceGeometry
+    from vllm_kvchecksum.core.pieces import PieceGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -195,27 +208,192 @@ def _rows_signature(piece_type):
 # Compiled when this module is imported, in this order, for the three piece
 # widths: every process then writes numba's cache index the same way (lazy
 # compilation in different orders by processes starting together can leave
-# an index naming the wrong file for a signature, and every later start
-# fails until the cache is deleted).
+# an index naming the wrong file for a signature, and every later start fails
+# until the cache is deleted; _build now also repairs such an index).
 _SIGNATURES = [_rows_signature(t) for t in (numba.int64, numba.uint16, numba.uint32)]
 
 
-def _compiled(fn):
-    """fn compiled for _SIGNATURES, cached on disk where a folder is writable
-    (next to this file, else the user's cache folder; NUMBA_CACHE_DIR first):
-    without one it is compiled in each process, with a warning, rather than
-    not at all."""
+def _writable(folder: str) -> bool:
+    """Whether this process can write in folder: numba's own test of a cache
+    folder (_CacheLocator.ensure_cache_path), without creating it."""
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError:
+        return False
+    return True
+
+
+class _ReadOnlyLocator(InTreeCacheLocator):
+    """The first folder numba would cache a function in (NUMBA_CACHE_DIR's,
+    the __pycache__ next to its module, the user's cache folder, in numba's
+    order) that exists but this process cannot write: one a cache was built
+    in beforehand (at image build time, by root, before the install was made
+    read-only). numba skips such folders; this one is only read."""
+
+    def __init__(self, py_func, py_file, folder):
+        super().__init__(py_func, py_file)
+        self._cache_path = folder
+
+    def ensure_cache_path(self):
+        raise OSError(f"{self._cache_path} is read-only here")
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if not os.path.exists(py_file):
+            return None
+        kinds = [InTreeCacheLocator, UserWideCacheLocator]
+        if numba.config.CACHE_DIR:
+            kinds.insert(0, UserProvidedCacheLocator)
+        for kind in kinds:
+            folder = kind(py_func, py_file).get_cache_path()
+            if os.path.isdir(folder) and not _writable(folder):
+                return cls(py_func, py_file, folder)
+        return None
+
+
+class _ReadOnlyCacheImpl(CompileResultCacheImpl):
+    _locator_classes = [_ReadOnlyLocator]
+
+
+class _ReadOnlyCache(FunctionCache):
+    """numba's cache of a function in the folder _ReadOnlyLocator finds,
+    which _DiskCache only loads from."""
+    _impl_class = _ReadOnlyCacheImpl
+
+
+def _cache_or_none(kind, py_func):
+    try:
+        return kind(py_func)
+    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+        return None
+
+
+class _DiskCache(_Cache):
+    """Where the pass is cached: numba's own cache in the first folder this
+    process can write (the one cache=True picks), and behind it a cache
+    built beforehand in a folder it cannot write (_ReadOnlyCache), loaded
+    from where the writable one has no build; what is compiled is saved in
+    the writable one. load=False (a rebuild): nothing is loaded, and the
+    writable cache's index is emptied first, so the builds saved there
+    replace whatever it held."""
+
+    def __init__(self, py_func, *, load: bool = True):
+        self.writable = _cache_or_none(FunctionCache, py_func)
+        self.read_only = _cache_or_none(_ReadOnlyCache, py_func)
+        self.layers = [c for c in (self.writable, self.read_only) if c is not None]
+        if not self.layers:
+            raise RuntimeError(f"cannot cache function {py_func.__qualname__!r}: no folder to cache it in")
+        self.load = load
+        if not load and self.writable is not None:
+            self.writable.flush()
+
+    @property
+    def cache_path(self):
+        return self.layers[0].cache_path
+
+    def load_overload(self, sig, target_context):
+        if not self.load:
+            return None
+        for layer in self.layers:
+            data = layer.load_overload(sig, target_context)
+            if data is not None:
+                return data
+        return None
+
+    def save_overload(self, sig, data):
+        if self.writable is not None:
+            self.writable.save_overload(sig, data)
+
+    def enable(self):
+        for layer in self.layers:
+            layer.enable()
+
+    def disable(self):
+        for layer in self.layers:
+            layer.disable()
+
+    def flush(self):
+        if self.writable is not None:
+            self.writable.flush()
+
+
+def _compiled(fn, *, load: bool = True):
+    """fn compiled for _SIGNATURES and cached on disk: by numba's cache=True
+    (NUMBA_CACHE_DIR, else next to this file, else the user's cache folder:
+    the first writable one) unless one of those folders is read-only here,
+    then by _DiskCache, which also loads a build from the read-only one. With
+    no folder at all it is compiled in each process, with a warning, rather
+    than not at all. load=False: compiled afresh, replacing the writable
+    cache's builds (see _DiskCache)."""
     options = dict(nogil=True, boundscheck=False)
     try:
-        return numba.njit(_SIGNATURES, cache=True, **options)(fn)
-    except RuntimeError as exc:  # numba: "cannot cache function ...: no locator available"
+        cache = _DiskCache(fn, load=load)
+    except RuntimeError as exc:
         logger.warning("KV checksums: the compiled CPU pass cannot be cached on disk (%s); each worker "
                        "compiles it at start-up. Set NUMBA_CACHE_DIR to a writable folder to avoid that.",
                        exc)
         return numba.njit(_SIGNATURES, cache=False, **options)(fn)
+    if load and cache.read_only is None:
+        # numba's own cache does all that is needed.
+        return numba.njit(_SIGNATURES, cache=True, **options)(fn)
+    dispatcher = numba.njit(**options)(fn)
+    dispatcher._cache = cache  # what enable_caching() sets, with numba's own cache in it
+    with typeinfer.register_dispatcher(dispatcher):
+        for sig in _SIGNATURES:
+            dispatcher.compile(sig)
+    dispatcher.disable_compile()
+    if load and cache.writable is None and dispatcher.stats.cache_misses:
+        logger.warning("KV checksums: the cache of the compiled CPU pass in %s is read-only here and holds no "
+                       "build of it for this numba (%s), Python and CPU, and no cache folder is writable: each "
+                       "worker compiles the pass at start-up. Rebuild that cache where it is made (see "
+                       "docs/performance.md, Startup) or set NUMBA_CACHE_DIR to a writable folder.",
+                       cache.read_only.cache_path, numba.__version__)
+    return dispatcher
 
 
-@_compiled
+def _missing_signatures(dispatcher) -> str | None:
+    """None if dispatcher holds a build for each of _SIGNATURES and no
+    other; else which are missing (a disk cache whose index names another
+    signature's build for one: every call of that width would fail)."""
+    held = set(dispatcher.overloads)
+    missing = [str(s.args[0]) for s in _SIGNATURES if tuple(s.args) not in held]
+    if not missing and len(held) == len(_SIGNATURES):
+        return None
+    return f"its index gives no build for the pieces {', '.join(missing)}"
+
+
+def _build(fn):
+    """_compiled(fn), checked: if loading from numba's disk cache raises (a
+    truncated or garbage index or build) or leaves a signature without its
+    build (an index naming another's file), the pass is compiled afresh and
+    saved anew where the cache is writable, with one warning. Under
+    NUMBA_DISABLE_JIT, fn itself: the pass runs as Python (to debug it,
+    with PREFETCH_ROWS_AHEAD = 0: its prefetch cannot run as Python), and
+    kernels.numba_available refuses it."""
+    if numba.config.DISABLE_JIT:
+        return fn
+    try:
+        dispatcher = _compiled(fn)
+        problem = _missing_signatures(dispatcher)
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is None:
+        return dispatcher
+    dispatcher = _compiled(fn, load=False)
+    cache = dispatcher._cache
+    if isinstance(cache, _DiskCache) and cache.writable is not None:
+        done = f"compiled afresh and saved anew in {cache.writable.cache_path}"
+    else:
+        done = "compiled afresh (nothing saved: no cache folder is writable)"
+    advice = ""
+    if isinstance(cache, _DiskCache) and cache.read_only is not None:
+        advice = (f" {cache.read_only.cache_path} is read-only here: if this warning comes at every start, rebuild "
+                  f"the cache there (see docs/performance.md, Startup) or delete its {fn.__name__} files.")
+    logger.warning("KV checksums: numba's disk cache of the compiled CPU pass is damaged (%s); the pass was %s.%s",
+                   problem, done, advice)
+    return dispatcher
+
+
 def _cache_rows(flat, num_blocks, block_stride, kernel_blocks, kernel_tokens, heads,
                 pieces, head_stride, token_stride, piece_stride, block_ids,
                 first_tokens, valid_tokens, factor_base, pieces_per_token,
@@ -345,6 +523,12 @@ def _cache_rows(flat, num_blocks, block_stride, kernel_blocks, kernel_tokens, he
     return -1
 
 
+# The pass in Python, kept to compile it afresh (rebuild); _cache_rows is the
+# compiled pass (the Python function itself under NUMBA_DISABLE_JIT).
+_cache_rows_py = _cache_rows
+_cache_rows = _build(_cache_rows_py)
+
+
 def _storage_from(pieces: torch.Tensor) -> np.ndarray:
     """A flat numpy view of the tensor's storage from its first element to
     its last (strides are never negative in torch), unsigned for 16/32-bit
@@ -410,8 +594,93 @@ class NumbaLayerPath:
                               target, column, cache.weights, PREFETCH_ROWS_AHEAD, PREFETCH_LINES,
                               cache.line_elements)
             if bad >= 0:
-                raise IndexError(
+                raise BlockIdOutOfRange(
                     f"block id {int(ids[bad])} of row {bad} is outside the layer's "
                     f"{self.view.num_blocks} blocks")
         if target is not out_np:
             out_np[:, column] = target[:, column]
+
+
+# -- the start-up check and what repairs the pass ---------------------------
+
+@dataclass
+class _Geometry:
+    """A PieceGeometry for self_check's small caches."""
+    caches: list
+    block_size: int
+    kernel_tokens: int
+    num_blocks: int
+    num_heads: int
+    piece_bits: int
+    pieces_per_token: int
+    factor_base: int = 77
+    kernel_blocks_per_block: int = 1
+    device: torch.device = torch.device("cpu")
+
+
+def _check_cases():
+    """(geometry, block_ids, first_tokens, valid_tokens) covering each piece
+    width and both ways of summing: 64-bit HND K and V read a head's run at
+    once, full blocks four at a time with prefetches ahead (ten rows: eight
+    full, a partial one, an empty one); 16-bit elements at stride 2 token by
+    token; 32-bit contiguous elements."""
+    gen = torch.Generator().manual_seed(24)
+
+    def ints(shape, dtype):
+        bits = torch.iinfo(dtype).bits
+        return torch.randint(-2**(bits - 1), 2**(bits - 1) - 1, shape, generator=gen, dtype=dtype)
+
+    kv = [ints((8, 2, 4, 3), torch.int64) for _ in range(2)]
+    attention = _Geometry([CachePieces(t, 1, 2, 3, 3 * i) for i, t in enumerate(kv)],
+                          block_size=4, kernel_tokens=4, num_blocks=8, num_heads=2, piece_bits=64, pieces_per_token=6)
+    rows = (torch.tensor([5, 2, 7, 0, 3, 6, 1, 4, 2, 9]), torch.arange(10) * 4,
+            torch.tensor([4, 4, 4, 4, 4, 4, 4, 4, 3, 0]))
+    strided = ints((6, 3, 1, 10), torch.int16)[..., ::2]
+    contiguous = ints((6, 3, 1, 5), torch.int32)
+    state_rows = (torch.tensor([4, 0, 5, 2]), torch.zeros(4, dtype=torch.int64), torch.tensor([1, 1, 1, 0]))
+    cases = [(attention, *rows)]
+    for bits, t in ((16, strided), (32, contiguous)):
+        state = _Geometry([CachePieces(t, 1, 2, 5, 0, t.stride(-1))], block_size=1, kernel_tokens=1, num_blocks=6,
+                          num_heads=3, piece_bits=bits, pieces_per_token=5)
+        cases.append((state, *state_rows))
+    return cases
+
+
+def self_check() -> str | None:
+    """None if the compiled pass gives the PyTorch path's sums on small
+    caches (_check_cases); else what went wrong. kernels.numba_available
+    runs it when a process first chooses the pass, so that a pass which
+    cannot run here (a build from numba's disk cache that is not this
+    pass, a pass numba did not compile) is found at start-up, never in a
+    worker's step. It does not count as calls (call_count)."""
+    from vllm_kvchecksum.core.kernels.torch_path import TorchLayerPath
+
+    global call_count
+    calls = call_count
+    try:
+        for geometry, *rows in _check_cases():
+            got = torch.zeros(rows[0].shape[0], 1, dtype=torch.int64)
+            want = torch.zeros_like(got)
+            try:
+                NumbaLayerPath(geometry).accumulate(got, 0, *rows)
+            except Exception as exc:
+                return f"{type(exc).__name__}: {exc}"
+            TorchLayerPath(geometry).accumulate(want, 0, *rows)
+            if not torch.equal(got, want):
+                return f"its sums of {geometry.piece_bits}-bit pieces differ from the PyTorch path's"
+    finally:
+        call_count = calls
+    return None
+
+
+def rebuild() -> None:
+    """Compile the pass afresh, loading nothing from numba's disk cache and
+    replacing what the writable one held (after self_check failed)."""
+    global _cache_rows
+    _cache_rows = _compiled(_cache_rows_py, load=False)
+
+
+def cache_folder() -> str | None:
+    """The folder numba's disk cache of the pass is in (None if none)."""
+    stats = getattr(_cache_rows, "stats", None)
+    return None if stats is None else stats.cache_path
