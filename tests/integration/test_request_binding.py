@@ -248,3 +248,29 @@ def test_a_vllm_requests_content_is_read_as_its_block_hashes_would_see_it():
     changed[39, 5] += 1
     assert with_rows != base and runs(fake(embeds=changed))[:2] == with_rows[:2]
     assert runs(fake(embeds=changed))[2] != with_rows[2]
+
+
+def test_binding_a_payload_keeps_everything_else_and_every_embedding_byte_counts():
+    import torch
+
+    from types import SimpleNamespace
+
+    from vllm_kvchecksum.core.payload import PayloadGroup
+    from vllm_kvchecksum.engine.request_binding import bind_payload, embedding_digests
+
+    payload = KVChecksumPayload(num_tokens=40, producer_tp_size=2,
+                                groups={0: PayloadGroup(9, 16, 0, np.arange(3, dtype=np.uint64)),
+                                        3: PayloadGroup(4, 32, 0, np.arange(2, dtype=np.uint64))},
+                                tp_local_groups={3})
+    bound = bind_payload(payload, SimpleNamespace(all_token_ids=prompt_of(40)))
+    assert (bound.num_tokens, bound.producer_tp_size, bound.groups, bound.tp_local_groups) == \
+        (40, 2, payload.groups, frozenset({3}))
+    assert bound.binding.block_size == 16  # the smallest group block size
+    assert bound.binding.values.tolist() == TokenContent(prompt_of(40)).block_bindings(16, 40).tolist()
+    rows = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6).to(torch.bfloat16)
+    digests = embedding_digests(rows)
+    for col in range(6):
+        changed = rows.clone()
+        changed[2, col] += 1
+        after = embedding_digests(changed)
+        assert after[2] != digests[2] and np.array_equal(np.delete(after, 2), np.delete(digests, 2)), col
