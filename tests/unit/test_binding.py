@@ -305,3 +305,39 @@ def test_every_embedding_row_is_bound_the_last_included():
     a = TokenContent(ids, embedding_digests=digests).block_bindings(16, 40)
     b = TokenContent(ids, embedding_digests=changed).block_bindings(16, 40)
     assert a[:2].tolist() == b[:2].tolist() and a[2] != b[2]
+
+
+def test_a_windowed_group_is_foreign_only_from_the_first_differing_token():
+    ours, theirs = tokens(N, seed=11), tokens(N, seed=11).copy()
+    theirs[70] += 1  # block 4
+    values = kv_values(11, N, 16)
+    payload = payload_for(TokenContent(theirs), values, N, 16)
+    # The window's blocks 2-5 were loaded (a sliding-window group).
+    verdict = compare_load(payload, [record({0: (2, 16, values[2:])})], REQ, 1, {0: (2, 4, 16, False, True)}, N,
+                           own=TokenContent(ours))
+    assert verdict.groups[0].foreign_blocks == (4, 5)
+
+
+def test_one_foreign_group_makes_the_load_another_requests():
+    ours, theirs = tokens(N, seed=12), tokens(N, seed=12).copy()
+    theirs[90] += 1  # block 5
+    values = kv_values(12, N, 16)
+    window = kv_values(13, N, 16)
+    payload = KVChecksumPayload(num_tokens=N, producer_tp_size=1,
+                                groups={0: PayloadGroup(FINGERPRINT, 16, 0, values),
+                                        1: PayloadGroup(FINGERPRINT, 16, 0, window[:4])},
+                                binding=PayloadBinding(16, TokenContent(theirs).block_bindings(16, N)))
+    # Group 1 loaded blocks 0-3 only: none at or past the differing token.
+    verdict = compare_load(payload, [record({0: (0, 16, values), 1: (0, 16, window[:4])})], REQ, 1,
+                           {0: (0, 6, 16), 1: (0, 4, 16)}, N, own=TokenContent(ours))
+    assert verdict.groups[1].status is CheckStatus.VERIFIED and verdict.groups[0].foreign_blocks == (5,)
+    assert verdict.wrong_request and verdict.cause == "wrong_request"
+    line = verdict.describe()
+    assert line.startswith("KV checksum mismatch for request 'req-1': another request's KV")
+    assert "and differs at" not in line  # nothing corrupt: no block is listed twice
+
+
+def test_bindings_of_other_run_sizes_are_not_equal():
+    values = np.arange(3, dtype=np.uint64)
+    assert PayloadBinding(16, values) == PayloadBinding(16, values.copy())
+    assert PayloadBinding(16, values) != PayloadBinding(32, values)
