@@ -123,7 +123,7 @@ def _prompt(seed: int, blocks: int = 4) -> list[int]:
     return [(i * 37 + seed * 101) % 500 + 3 for i in range(blocks * BLOCK + 7)]
 
 
-def _wait_for(predicate, what: str, timeout: float = 30):
+def _wait_for(predicate, what: str, timeout: float = 120):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
