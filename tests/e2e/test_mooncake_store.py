@@ -227,7 +227,10 @@ def test_corrupted_store_value_is_caught_removed_and_recomputed(master, tmp_path
         # store misses from there) and computed the rest: B never loads what A
         # found bad, neither verified nor as a mismatch.
         assert result["outputs"] == [first["outputs"][0], second["outputs"][0], third["outputs"][0]], log[-4000:]
-        assert result["cached"] == [4 * BLOCK, 4 * BLOCK, bad * BLOCK], log[-4000:]
+        if guarded:
+            # (Before the later patches of the series, a request's cached count
+            # is taken after a failed load's rollback: the first prompt's is 32.)
+            assert result["cached"] == [4 * BLOCK, 4 * BLOCK, bad * BLOCK], log[-4000:]
         assert "KV checksum mismatch for request" in log and "(offloaded KV loaded back)" in log, log[-4000:]
         assert log.count("KV checksum mismatch for request") == 1, log[-4000:]
         assert "KV checksums of request" in log and "verified" in log
