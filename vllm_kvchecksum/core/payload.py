@@ -149,6 +149,16 @@ def _checked_int(name: str, value: Any, low: int, limit: int) -> int:
     return number
 
 
+def _uint64_values(name: str, values: Any) -> np.ndarray:
+    """`values` as a 1-D uint64 array, or ValueError naming `name`."""
+    if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind != "u" \
+            or values.dtype.itemsize != 8:
+        raise ValueError(f"{name} must be a 1-D uint64 numpy array, got "
+                         f"{getattr(values, 'dtype', type(values).__name__)} "
+                         f"with shape {getattr(values, 'shape', None)}")
+    return values.astype(np.uint64, copy=False)
+
+
 @dataclass(frozen=True, eq=False)
 class PayloadGroup:
     """The producer's checksums of one KV cache group.
@@ -170,13 +180,7 @@ class PayloadGroup:
                   _checked_int("fingerprint", self.fingerprint, 0, _UINT64_LIMIT))
         set_field(self, "block_size", _checked_int("block_size", self.block_size, 1, MAX_TOKENS))
         set_field(self, "start", _checked_int("start", self.start, 0, MAX_TOKENS))
-        values = self.values
-        if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind != "u" \
-                or values.dtype.itemsize != 8:
-            raise ValueError("values must be a 1-D uint64 numpy array, got "
-                             f"{getattr(values, 'dtype', type(values).__name__)} "
-                             f"with shape {getattr(values, 'shape', None)}")
-        set_field(self, "values", values.astype(np.uint64, copy=False))
+        set_field(self, "values", _uint64_values("values", self.values))
 
     @property
     def num_blocks(self) -> int:
@@ -206,13 +210,7 @@ class PayloadBinding:
     def __post_init__(self):
         set_field = object.__setattr__
         set_field(self, "block_size", _checked_int("binding block_size", self.block_size, 1, MAX_TOKENS))
-        values = self.values
-        if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind != "u" \
-                or values.dtype.itemsize != 8:
-            raise ValueError("binding values must be a 1-D uint64 numpy array, got "
-                             f"{getattr(values, 'dtype', type(values).__name__)} "
-                             f"with shape {getattr(values, 'shape', None)}")
-        set_field(self, "values", values.astype(np.uint64, copy=False))
+        set_field(self, "values", _uint64_values("binding values", self.values))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PayloadBinding):
