@@ -94,30 +94,31 @@ def test_a_difference_inside_the_local_hit_fails_every_loaded_block(logs, make):
     assert "another request's KV at block positions 2-4" in logs.text
 
 
-def test_a_payload_of_the_previous_version_is_unverified_with_its_reason(logs):
-    make = carrier_maker("pull")
-    P = make("kv_producer", fail_closed=True)
-    C = make("kv_consumer", fail_closed=False)
-    preq, params = prefill(P, prompt_of(PROMPT))
-    version, body = msgpack.unpackb(base64.b64decode(params["kv_checksums"]))
-    old = base64.b64encode(msgpack.packb((1, body[:3]), use_bin_type=True)).decode()
-    load(C, P, preq, {**params, "kv_checksums": old})
-    assert stats(C) == {"unverified": 1}, logs.text
-    assert C.reported_metrics[metrics.labelled(metrics.UNVERIFIED, "payload_version")] == 1
-    assert "payload version 1 is not supported" in logs.text
+def as_version_1(version, body):
+    """What a producer of the previous release sends: no binding, three body fields."""
+    return 1, body[:3]
 
 
-def test_a_payload_stripped_of_its_binding_is_unverified(logs):
+def without_binding(version, body):
+    """A payload a client stripped of its binding."""
+    return version, body[:4] + [None]
+
+
+@pytest.mark.parametrize("edit, fail_closed, reason, logged", [
+    (as_version_1, False, "payload_version", "payload version 1 is not supported"),
+    (without_binding, True, "not_bound", "the producer's checksums name no request content"),
+], ids=["previous-version", "stripped-binding"])
+def test_a_payload_without_a_usable_binding_is_unverified_with_its_reason(edit, fail_closed, reason, logged, logs):
     make = carrier_maker("pull")
     P = make("kv_producer", fail_closed=True)
-    C = make("kv_consumer", fail_closed=True)
+    C = make("kv_consumer", fail_closed=fail_closed)
     preq, params = prefill(P, prompt_of(PROMPT))
-    version, body = msgpack.unpackb(base64.b64decode(params["kv_checksums"]))
-    body[4] = None
-    stripped = base64.b64encode(msgpack.packb((version, body), use_bin_type=True)).decode()
-    load(C, P, preq, {**params, "kv_checksums": stripped})
+    edited_payload = edit(*msgpack.unpackb(base64.b64decode(params["kv_checksums"])))
+    text = base64.b64encode(msgpack.packb(edited_payload, use_bin_type=True)).decode()
+    load(C, P, preq, {**params, "kv_checksums": text})
     assert stats(C) == {"unverified": 1}, logs.text
-    assert C.reported_metrics[metrics.labelled(metrics.UNVERIFIED, "not_bound")] == 1
+    assert C.reported_metrics[metrics.labelled(metrics.UNVERIFIED, reason)] == 1
+    assert logged in logs.text
 
 
 # -- NIXL push: two live requests with one X-Request-Id --------------------------

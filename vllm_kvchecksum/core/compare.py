@@ -385,8 +385,6 @@ def _apply_binding(verdict: LoadVerdict, expected: KVChecksumPayload, own: Token
     values. Otherwise, a payload bound to nothing leaves each group that
     would have verified unverified.
     """
-    if verdict.status is CheckStatus.UNVERIFIED and verdict.reason_key in _NO_PAYLOAD_VERDICT:
-        return verdict
     binding = expected.binding
     if binding is None:
         if verdict.status is not CheckStatus.VERIFIED:
@@ -423,11 +421,6 @@ def _apply_binding(verdict: LoadVerdict, expected: KVChecksumPayload, own: Token
         return verdict  # no loaded block at or past the first differing token
     return LoadVerdict(req_id=verdict.req_id, status=CheckStatus.MISMATCH, groups=groups,
                        left_out_tp=verdict.left_out_tp, source=verdict.source)
-
-
-# Load-level verdicts reached before any payload field was trusted: no
-# binding to check.
-_NO_PAYLOAD_VERDICT = frozenset({UnverifiedReason.NO_PRODUCER_CHECKSUMS, UnverifiedReason.PAYLOAD_VERSION})
 
 
 def _load_unverified(req_id: str, key: UnverifiedReason, message: str) -> LoadVerdict:

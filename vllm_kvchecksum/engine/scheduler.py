@@ -218,9 +218,6 @@ class _Pending:
     expected: KVChecksumPayload | None = None
     missing_reason: str = ""
     missing_key: UnverifiedReason = UnverifiedReason.NO_PRODUCER_CHECKSUMS
-    # Consumer, P/D: the request, whose own content the payload's binding
-    # must match (request_binding.py); read when the load is judged.
-    bound_to: Any = None
     # Consumer, connector-owned carrier: no copy of the checksums received yet.
     awaiting_connector: bool = False
     # Consumer: the request's token count, which bounds the size of the
@@ -229,8 +226,10 @@ class _Pending:
     # Consumer, P/D: the producer's TP size as the connector transfers from
     # it (None: the connector does not say), checked against the payload's.
     producer_tp_size: Any = None
-    # A load of offloaded KV (blocks.offloaded): the request, and the hashes
-    # of its loaded blocks per group (the tags are derived from them).
+    # Consumer: the request. A P/D load's payload binding must match its own
+    # content (request_binding.py, read when the load is judged); a load of
+    # offloaded KV (blocks.offloaded) has the hashes of its loaded blocks per
+    # group below, which the tags are derived from.
     request: Any = None
     block_hashes: dict[int, list] = field(default_factory=dict)
     # A synchronous load: its request's blocks from the first loaded one on
@@ -409,7 +408,7 @@ class KVChecksumScheduler:
         pending = _Pending(blocks, request_tokens=request.num_tokens,
                            producer_tp_size=self._producer_tp_size(request),
                            remote=incident.remote_ids(request.kv_transfer_params),
-                           carrier=getattr(carrier, "value", str(carrier)), bound_to=request)
+                           carrier=getattr(carrier, "value", str(carrier)), request=request)
         other = (self._live_loads.add(request.request_id)
                  if self.pairs_by_base_id and carrier is KVChecksumCarrier.CONNECTOR else None)
         if other is not None:
@@ -988,7 +987,7 @@ class KVChecksumScheduler:
                 verdict = compare_load(pending.expected, pending.records, rid, self.num_workers, scheduled,
                                        pending.blocks.num_tokens, missing_reason=pending.missing_reason,
                                        missing_key=pending.missing_key, producer_tp_size=pending.producer_tp_size,
-                                       own=None if pending.expected is None else request_content(pending.bound_to))
+                                       own=None if pending.expected is None else request_content(pending.request))
         except Exception as exc:
             # The payload comes from the client: whatever comparing one load
             # raises must not escape update_from_output and stop the engine
