@@ -15,7 +15,7 @@ WORKBENCH := cd scripts && ../$(PY) -m workbench
 .PHONY: help demo soak rollback setup test test-unit test-e2e test-upstream apply unapply refresh check-series rebase-check bench clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
 
 setup: ## build .venv: vLLM v0.32.0 + series in build/vllm, importable (VLLM_DEVICE=cpu|cuda)
 	VLLM_DEVICE=$(VLLM_DEVICE) FORCE=$(FORCE) ci/setup.sh
