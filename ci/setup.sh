@@ -19,6 +19,20 @@ if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then
   fi
 fi
 
+# Prometheus and promtool (Debian's prometheus package): the alert rules' and
+# the dashboard's tests (tests/ops), and the demo's --alerts run (tests/e2e).
+# About 12 s to install here; nothing when both are on PATH.
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  echo "[setup] installing prometheus (Debian) for the alert rules' tests"
+  if [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+  else
+    echo "[setup] not root: install Debian's prometheus package yourself (tests/ops and the e2e alerts need it)" >&2
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 stamp=.venv/.kvcs-requirements-$DEVICE
 want=$(cat requirements/common.txt "requirements/$DEVICE.txt" pyproject.toml | sha256sum | cut -d' ' -f1)
