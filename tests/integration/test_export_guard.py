@@ -229,3 +229,74 @@ def test_only_an_int_limit_limits():
     for request in (SimpleNamespace(), SimpleNamespace(max_cached_tokens=None), MagicMock(),
                     SimpleNamespace(max_cached_tokens=True)):
         assert exportable_tokens(request, 80) == 80
+
+
+# -- a synchronous load: nothing it loaded or computed leaves before its verdict --
+
+HOST_CHILD = dict(kv_connector="HostOffloadConnector", kv_connector_module_path="offload_harness", kv_role="kv_both")
+LONGER = PROMPT + 2 * BS  # the stored prefix's 5 full blocks, then blocks the request computes on them
+
+
+def _stored_blocks(outs, req) -> list[int]:
+    """The block ids vLLM's OffloadingConnector (the second child) stored of `req`, in order."""
+    return [int(b) for out in outs for job in out.kv_connector_metadata.metadata[1].store_jobs.values()
+            if job.req_id == req.request_id for b in job.src_spec.block_ids]
+
+
+@pytest.mark.parametrize("batch_queue", [False, True])
+@pytest.mark.parametrize("corrupt", [True, False])
+def test_a_sync_loads_blocks_are_not_stored_before_its_verdict(corrupt, batch_queue, logs):
+    """kv_both, fail-open, MultiConnector[a store loading synchronously,
+    vLLM's OffloadingConnector]. The step that loads the prompt's stored
+    prefix (block BAD corrupt, or not) also computes two blocks on it, and
+    the connector builds that step's saves (and with the batch queue the next
+    step's) before the verdict. Nothing from the loaded blocks on is stored
+    until then; afterwards nothing still (a mismatch: a failed load keeps
+    the request's KV from the load on in), or every full block (verified:
+    the held-back saves are made, not lost)."""
+    A = make_offload_side()
+    hashes = store_prompt(A, prompt_of(PROMPT))
+    if corrupt:
+        corrupt_store_kv(hashes, BAD)
+    B = make_side("kv_both", connector="MultiConnector", connector_extra={"connectors": [HOST_CHILD, OFFLOADING]},
+                  batch_queue=batch_queue)
+    for w in B.workers:
+        w.checksums.init_block_checksums((0,))
+    host_connector(B).load_async = False
+    outs = _recording(B)
+    req = make_request(prompt_of(LONGER), block_size=BS, max_tokens=6)
+    B.scheduler.add_request(req)
+    computed = forward_of(B, req)
+
+    def forward(out):
+        perform_loads(B)
+        computed(out)
+
+    out_n = B.scheduler.schedule()
+    forward(out_n)
+    merged_n = B.run_workers(out_n)
+    assert req.request_id in out_n.kv_checksum_scheduled.reqs_loaded
+    before_verdict = 1
+    if batch_queue:  # step N+1 is scheduled before step N's update
+        out_next = B.scheduler.schedule()
+        computed(out_next)
+        before_verdict = 2
+    assert _stored_blocks(outs[:before_verdict], req) == [], "stored before its verdict"
+    B.update(out_n, merged_n)
+    assert stats(B) == ({"mismatch": 1, "offloaded_mismatch": 1} if corrupt
+                        else {"verified": 1, "offloaded_verified": 1}), logs.text
+    if batch_queue:
+        B.update(out_next, B.run_workers(out_next))
+    for _ in range(8):
+        if req.is_finished():
+            break
+        B.step(forward=computed)
+    stored = _stored_blocks(outs, req)
+    loaded = list(out_n.kv_checksum_scheduled.reqs_loaded[req.request_id].groups[0].block_ids)
+    if corrupt:
+        # A load that failed keeps its request's KV from the load on in for
+        # the request's life (its store dropped the bad block; the rest is there).
+        assert req.max_cached_tokens == BAD * BS
+        assert stored == [], (stored, loaded)
+    else:
+        assert len(stored) == LONGER // BS and stored[:len(loaded)] == loaded, (stored, loaded)

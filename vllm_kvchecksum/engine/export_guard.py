@@ -26,7 +26,19 @@ KV leaves the instance:
   `no_common_blocks` when the first block is bad), never verified.
 
 An unverified load under fail-open sets no limit (nothing says which block
-is bad), as for the prefix cache. Imports no vLLM.
+is bad), as for the prefix cache.
+
+**Before a verdict.** A synchronous load of offloaded KV is judged in the
+update of the step that loaded it, but a store connector builds that step's
+saves when the step is scheduled, and with the batch queue the next step's
+too: they could store the loaded blocks, and the blocks the request computes
+on them, before anyone knows whether they are bad. `hold_exports` (set by
+KVChecksumScheduler.add_sync_load) keeps `exportable_tokens` below the load's
+first token until the verdict (`release_exports`). A save held back is made
+later by a connector that resumes from what it stored (vLLM's
+OffloadingConnector, the Mooncake store's workers at the request's next
+save); one the request finishes before is a later request's miss, never bad
+KV in the tier. Imports no vLLM.
 """
 
 from __future__ import annotations
@@ -58,14 +70,38 @@ def export_limit(request: Any) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
+# The attribute of a vLLM Request that holds its exports back while a
+# synchronous load it runs on waits for its verdict: the first loaded token.
+_HELD_FROM = "kv_checksum_exports_held_from"
+
+
+def hold_exports(request: Any, from_token: int) -> None:
+    """Until release_exports, none of `request`'s KV from `from_token` on leaves the instance."""
+    held = getattr(request, _HELD_FROM, None)
+    setattr(request, _HELD_FROM, from_token if held is None else min(held, from_token))
+
+
+def release_exports(request: Any) -> None:
+    """The verdicts `request`'s exports waited for are in (its own limit, if any, still holds)."""
+    if getattr(request, _HELD_FROM, None) is not None:
+        setattr(request, _HELD_FROM, None)
+
+
 def exportable_tokens(request: Any, num_tokens: int) -> int:
     """How many of `request`'s first `num_tokens` tokens may leave the instance.
 
     For a store connector's scheduler: it stores no block holding a token at
-    or past this (a partial block is never stored anyway).
+    or past this (a partial block is never stored anyway). Below both the
+    request's export limit and, while a verdict is pending, its held exports.
     """
+    bounds = [num_tokens]
     limit = export_limit(request)
-    return num_tokens if limit is None else max(0, min(num_tokens, limit))
+    if limit is not None:
+        bounds.append(limit)
+    held = getattr(request, _HELD_FROM, None)
+    if isinstance(held, int) and not isinstance(held, bool):
+        bounds.append(held)
+    return max(0, min(bounds))
 
 
 def clip_payload(result: ProducerSum, request: Any, layouts: Sequence[GroupLayout]) -> ProducerSum:

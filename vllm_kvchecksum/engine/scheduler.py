@@ -40,7 +40,7 @@ from vllm_kvchecksum.engine import incident, metrics
 from vllm_kvchecksum.core.compare import ProducerSum, compare_load, sum_producer
 from vllm_kvchecksum.core.verdicts import CheckStatus, LoadVerdict, UnverifiedReason, format_positions
 from vllm_kvchecksum.engine.offload import OFFLOADED_SOURCE, compare_offloaded
-from vllm_kvchecksum.engine.export_guard import ExportGuard, clip_payload
+from vllm_kvchecksum.engine.export_guard import ExportGuard, clip_payload, hold_exports, release_exports
 from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadVersionError, max_encoded_size, max_packed_size
 from vllm_kvchecksum.engine.request_binding import bind_payload, request_content
 from vllm_kvchecksum.engine.push_ids import LiveIds, clash_message, pairs_by_base_id
@@ -499,6 +499,9 @@ class KVChecksumScheduler:
             # attend to it) until then.
             pending.held = {g: tuple(block_ids[g][b.start:]) for g, b in pending.blocks.groups.items()}
             self._held.update(i for ids in pending.held.values() for i in ids)
+            # Nor may a connector store them, or send them on, before then
+            # (export_guard.py: it builds this step's saves after this).
+            hold_exports(request, num_local_tokens)
             self._sync.setdefault(self._step.step, {})[request.request_id] = pending
             self._step.reqs_loaded[request.request_id] = pending.blocks
 
@@ -551,10 +554,15 @@ class KVChecksumScheduler:
         for rid, pending in loads.items():
             self._release(pending)
             verdict = self._judge(rid, pending)
-            if verdict is None or verdict.status is CheckStatus.VERIFIED:
-                continue
-            failed = self._failed_positions(pending, verdict)
+            failed = (None if verdict is None or verdict.status is CheckStatus.VERIFIED
+                      else self._failed_positions(pending, verdict))
             if failed is None:
+                # Its KV may leave the instance now, unless another of its
+                # loads still waits. A load that failed keeps it in for the
+                # request's life (a fail-open limit may be later than the
+                # load's start, a failed request may still be stored).
+                if not any(rid in waiting for waiting in self._sync.values()):
+                    release_exports(pending.request)
                 continue
             for gid, positions in failed.items():
                 start = pending.blocks.groups[gid].start
