@@ -211,8 +211,13 @@ def test_corrupted_store_value_is_caught_removed_and_recomputed(master, tmp_path
                       "A to remove the bad block's keys")
             removed_by_a = a.log().count("removed 1 keys of 1 blocks that failed their KV checksums")
             assert removed_by_a == 1, a.log()[-4000:]
-            time.sleep(2)  # A's store jobs of that request, had it any, are done by now
+            # A's worker runs its store jobs in order, one queue: once a
+            # later request's blocks are in the store, any store job of that
+            # request is done.
+            a.generate([_prompt(4)])
+            _wait_for(lambda: len(master.keys() - keys) == 4, "A's 4 blocks of a later prompt in the store")
             assert reused_victim not in master.keys(), "A put the block that failed its check back into the store"
+            keys |= master.keys() - keys
 
         b = Engine("kv_consumer", master, tmp_path, lookup_rpc_port=master.metrics)
         try:
