@@ -16,8 +16,8 @@ import pd_harness
 import pytest
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-from offload_harness import (corrupt_store_kv, empty_store, host_connector, make_offload_side,  # noqa: F401
-                             perform_loads, store_prompt)
+from offload_harness import (corrupt_store_kv, empty_store, host_connector, load_prompt,  # noqa: F401
+                             make_offload_side, perform_loads, store_prompt)
 from pd_harness import (CONNECTORS, carrier_maker, forward_of, load, make_request, make_side, prefill, prompt_of,
                         run_local, stats, with_block_hole)
 from vllm_kvchecksum.core.payload import KVChecksumPayload, PayloadGroup
@@ -60,6 +60,19 @@ def test_mismatch_is_recomputed_from_its_first_bad_block(position, make):
     assert rollbacks(C) == {"from_first_bad_block": 1, "tokens": PROMPT - position * BS}
     # The kept blocks are in the prefix cache; the recomputed ones after the step that recomputes them.
     assert local_hit(C, prompt_of(PROMPT)) == 64
+
+
+def test_an_offloaded_load_recomputed_from_its_first_bad_block_counts_the_tokens_it_drops():
+    """An asynchronous load of offloaded KV (blocks 0-3 of the store) whose
+    block 2 is corrupt, fail-closed, recompute: the loaded tokens from the bad
+    block to the load's end (32 to 64) are recomputed, and counted."""
+    A = make_offload_side()
+    corrupt_store_kv(store_prompt(A, prompt_of(PROMPT)), 2)
+    C = make_offload_side(fail_closed=True, policy="recompute")
+    result = load_prompt(C, prompt_of(PROMPT))
+    assert stats(C) == {"mismatch": 1, "offloaded_mismatch": 1}
+    assert result.next_scheduled == PROMPT - 2 * BS
+    assert rollbacks(C) == {"from_first_bad_block": 1, "tokens": 4 * BS - 2 * BS}
 
 
 def test_a_local_hit_is_kept_when_the_first_loaded_block_is_bad():
@@ -231,6 +244,16 @@ def test_fail_open_limit_is_the_first_bad_block_over_groups():
 def test_blocks_from_covers_every_group():
     C = make_side("kv_consumer", sliding_window=48)
     assert C.scheduler.kv_checksum.blocks_from(32, ([1, 2, 3, 4, 5], [0, 6, 7, 8, 9])) == {3, 4, 5, 7, 8, 9}
+
+
+def test_blocks_from_takes_the_block_holding_the_limit_in_groups_of_other_block_sizes():
+    """A limit inside a group's block (groups of different block sizes: 16 and
+    32 tokens here) takes that block too: it holds the first bad token."""
+    from vllm_kvchecksum.core.blocks import GroupLayout
+    C = make_side("kv_consumer", sliding_window=48)
+    C.scheduler.kv_checksum.layouts = [GroupLayout(0, 16), GroupLayout(1, 32)]
+    # Token 48 starts block 3 of group 0, and lies in block 1 (tokens 32-63) of group 1.
+    assert C.scheduler.kv_checksum.blocks_from(48, ([1, 2, 3, 4, 5], [6, 7, 8])) == {4, 5, 7, 8}
 
 
 def test_a_later_limit_never_raises_an_earlier_one():

@@ -77,6 +77,30 @@ def test_intact_kv_is_counted_and_the_blocks_are_freed_after_the_recheck(make, c
     assert P.reported_gauges[metrics.SENDS_IN_FLIGHT] == 0
 
 
+def test_a_producer_request_that_decodes_into_a_new_block_is_rechecked(caplog):
+    """A prefill leg run with max_tokens 3, not 1: its prompt fills 5 whole
+    blocks, so its decode writes a sixth before its transfer completes. The
+    re-check reads the blocks of the prompt's tokens, those the checksums
+    were sent for: intact, not "blocks moved"."""
+    P, C = make_side("kv_producer", producer_recheck=True), make_side("kv_consumer")
+    prompt = prompt_of(5 * 16)
+    preq = make_request(prompt, params=dict(do_remote_decode=True, do_remote_prefill=False), max_tokens=3)
+    P.scheduler.add_request(preq)
+    forward, params = forward_of(P, preq), None
+    for _ in range(8):
+        _, outputs = P.step(forward=forward)
+        if preq.request_id in outputs and outputs[preq.request_id].kv_transfer_params is not None:
+            params = dict(outputs[preq.request_id].kv_transfer_params)
+            break
+    assert params is not None and preq.num_output_tokens == 3
+    assert len(P.scheduler.kv_cache_manager.get_block_ids(preq.request_id)[0]) == 6
+    load(C, P, preq, params)
+    complete(P, preq)
+    assert stats(C) == {"verified": 1}
+    assert P.reported_metrics[metrics.PRODUCER_INTACT] == 1
+    assert not P.reported_metrics.get(metrics.labelled(metrics.PRODUCER_NOT_RECHECKED, "blocks_moved"))
+
+
 def test_kv_changed_before_the_completion_is_the_producers(make, caplog):
     P, C = make("kv_producer"), make("kv_consumer")
     preq, params = prefill(P, prompt_of(PROMPT))
