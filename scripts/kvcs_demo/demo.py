@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from kvcs_demo import prom
+from kvcs_demo import alerts, prom
 from kvcs_demo.client import completion, error_of, text_of
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_transfer_config, make_models,
@@ -62,6 +62,7 @@ METRIC = "vllm:kv_checksum_"
 LOAD_COUNTERS = ("loads_verified", "loads_mismatched", "loads_unverified", "loads_not_compared")
 VERDICT_WAIT_S = 15.0
 STARTUP_TIMEOUT_S = 900.0
+STARTUP_PROGRESS_S = 15.0  # a "waiting for ..." line this often while servers start
 
 
 # ----------------------------------------------------------------- requests
@@ -196,6 +197,10 @@ class RequestResult:
     # where a mismatch happened, and the producer's re-check of this request.
     where: str | None = None
     producer_recheck: str | None = None
+    # The texts compared for output_equal: the consumer's output through the
+    # proxy, and the producer's own single-engine output (None: not asked for).
+    output: str | None = None
+    reference: str | None = None
 
 
 @dataclass
@@ -203,6 +208,8 @@ class PhaseResult:
     phase: str
     requests: list[RequestResult] = field(default_factory=list)
     metrics: dict[str, int] = field(default_factory=dict)
+    # --alerts: what Prometheus showed for the setup after the phase (alerts.check_phase).
+    alerts: dict | None = None
 
 
 def expected_verdict(phase: str, injection: dict | None) -> str:
@@ -280,7 +287,7 @@ def run_request(client: httpx.Client, setup: Setup, proxy: str, phase: str, inde
     out = text_of(body) if status == 200 else None
     res = RequestResult(rid, phase, status, verdict, reason, expected_verdict(phase, injection), injection,
                         reported, None if out is None or reference is None else out == reference, error,
-                        timings=timings)
+                        timings=timings, output=out, reference=reference)
     judge(res, setup)
     return res
 
@@ -363,14 +370,15 @@ def join_where(setup: Setup, phases: list[PhaseResult]) -> None:
 
 def wait_ready(group: ProcessGroup, servers: list, setup: Setup, t0: float,
                up: threading.Event | None = None) -> None:
-    group.wait_healthy(servers, timeout=STARTUP_TIMEOUT_S)
+    group.wait_healthy(servers, timeout=STARTUP_TIMEOUT_S, progress=lambda line: log(f"[{setup.name}] {line}"),
+                       progress_every=STARTUP_PROGRESS_S)
     log(f"[{setup.name}] producer and consumer healthy after {time.monotonic() - t0:.0f} s")
     if up is not None:
         up.set()
 
 
 def run_setup(setup: Setup, proxy: str, kinds: list[str], n: int, out: dict, errors: dict,
-              ready=lambda: None) -> None:
+              ready=lambda: None, prometheus: alerts.Prometheus | None = None) -> None:
     phases: list[PhaseResult] = []
     try:
         ready()
@@ -379,14 +387,15 @@ def run_setup(setup: Setup, proxy: str, kinds: list[str], n: int, out: dict, err
         return
     out[setup.name] = phases
     try:
-        _run_phases(setup, proxy, kinds, n, phases)
+        _run_phases(setup, proxy, kinds, n, phases, prometheus)
         join_where(setup, phases)
     except Exception as exc:  # reported as a failure of the setup, never a silent pass
         errors[setup.name] = f"{type(exc).__name__}: {exc}"
         log(f"[{setup.name}] stopped: {errors[setup.name]}")
 
 
-def _run_phases(setup: Setup, proxy: str, kinds: list[str], n: int, phases: list) -> None:
+def _run_phases(setup: Setup, proxy: str, kinds: list[str], n: int, phases: list,
+                prometheus: alerts.Prometheus | None = None) -> None:
     with httpx.Client(trust_env=False) as client:
         for phase in ["clean", *kinds]:
             set_faults(setup, None if phase == "clean" else phase)
@@ -395,11 +404,15 @@ def _run_phases(setup: Setup, proxy: str, kinds: list[str], n: int, phases: list
             for i in range(n):
                 result.requests.append(run_request(client, setup, proxy, phase, i))
             result.metrics = diff(checksum_counts(setup.urls["consumer"]), before)
+            if prometheus is not None:
+                result.alerts = alerts.check_phase(prometheus, setup.name, phase, kinds, time.time())
             phases.append(result)
             ok = sum(r.ok for r in result.requests)
             log(f"[{setup.name}] {phase:<15} {n} requests: " + summary(result.metrics)
                 + f"; as expected {ok}/{n}" + ("" if ok == n else "  <-- " + next(
-                    r.problem for r in result.requests if not r.ok)))
+                    r.problem for r in result.requests if not r.ok))
+                + ("" if result.alerts is None else f"; alerts: {alerts.summary(result.alerts)}"
+                   + "".join(f"  <-- {p}" for p in result.alerts["problems"][:1])))
         set_faults(setup, None)
 
 
@@ -575,8 +588,11 @@ def build_report(args, setups, results, hostile, ttft, startup, wall, errors=Non
                  "startup_log": startup.get(s.name, {}), "phases": []}
         for ph in results[s.name]:
             reqs = ph.requests
+            if ph.alerts is not None:
+                failures += [f"{s.name}/{ph.phase}/alerts: {p}" for p in ph.alerts["problems"]]
             entry["phases"].append({
                 "phase": ph.phase,
+                "alerts": ph.alerts,
                 "requests": len(reqs),
                 "metrics": ph.metrics,
                 "false_mismatches": sum(r.verdict == "mismatch" and r.expected != "mismatch" for r in reqs),
@@ -592,6 +608,7 @@ def build_report(args, setups, results, hostile, ttft, startup, wall, errors=Non
                                 "reported": {str(g): p for g, p in r.reported.items()}, "status": r.status,
                                 "output_equal": r.output_equal, "ok": r.ok, "problem": r.problem,
                                 "where": r.where, "producer_recheck": r.producer_recheck,
+                                "output": r.output, "reference": r.reference,
                                 "timings_ms": {k: round(v, 1) for k, v in r.timings.items()}}
                                for r in reqs],
             })
@@ -627,6 +644,28 @@ def where_column(injections: list[dict]) -> str:
     return ", ".join(f"{n} {name}" for name, n in sorted(counts.items())) or "-"
 
 
+def positions_text(positions: dict) -> str:
+    """Block positions by KV cache group, as the table writes them: "g0:[1, 3] g1:[2]" ("-": none)."""
+    return " ".join(f"g{g}:{sorted(p)}" for g, p in sorted(positions.items(), key=lambda gp: int(gp[0]))) or "-"
+
+
+# Under the table: what each column says.
+TABLE_LEGEND = (
+    "reqs: requests in the phase. verif / mism / unver: the consumer's loads verified, mismatched, unverified in "
+    "the phase (its vllm:kv_checksum_loads_*_total counters).",
+    "detected: faults reported at exactly the injected positions / faults that must be detected (-: none injected "
+    "that must be; change_tail must verify, drop_checksums must be unverified).",
+    "false: mismatches where none was expected (must be 0).",
+    "out=ref: outputs equal to the producer's own single-engine output / outputs returned (a failed check under "
+    "policy fail returns none: 0/0; fail-open returns the output of the bad KV).",
+    "where: where each mismatch happened, from both servers' incident lines: \"intact on P\" (the producer's "
+    "re-check found its KV as sent: the fault was on the way or on the consumer), \"changed on P\" (the KV changed "
+    "on the producer before its transfer completed).",
+    "positions: gG:[block positions] of KV cache group G, as the consumer reported them / as the fault connector "
+    "injected them.",
+)
+
+
 def print_table(report: dict) -> None:
     log("")
     log(f"{'setup':<16} {'phase':<17} {'reqs':>4} {'verif':>5} {'mism':>5} {'unver':>5} {'detected':>8} "
@@ -640,7 +679,8 @@ def print_table(report: dict) -> None:
             inj = ph["injections"]
             detectable = [i for i in inj if i["expected"] == "mismatch"]
             detected = sum(i["ok"] for i in detectable)
-            pos = "; ".join(f"{i['reported'] or '-'} / g{i['group']}:{i['positions']}" for i in detectable[:2])
+            pos = "; ".join(f"{positions_text(i['reported'])} / {positions_text({i['group']: i['positions']})}"
+                            for i in detectable[:2])
             if ph["phase"] == "change_tail":
                 pos = "tail changed, must verify"
             elif ph["phase"] == "drop_checksums":
@@ -652,7 +692,10 @@ def print_table(report: dict) -> None:
         for h in s.get("hostile_client", []):
             log(f"{s['name']:<16} {'hostile:' + h['payload']:<24} HTTP {h['status']}, {h['verdict']} ({h['reason']}), "
                 f"next request HTTP {h['next_request_status']}")
-    log_ending(report, "prefill + transfer + first token")
+    log("")
+    for line in TABLE_LEGEND:
+        log(line)
+    log_ending(report, "through the proxy: prefill on the producer, KV transfer, first token on the consumer")
 
 
 # ----------------------------------------------------------------- main
@@ -679,6 +722,11 @@ def parse_args(argv=None):
     p.add_argument("--no-hostile", action="store_true", help="skip the hostile-client requests")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "demo", help="report and logs directory")
     p.add_argument("--python", default=sys.executable, help="the Python that runs the servers")
+    p.add_argument("--alerts", action="store_true",
+                   help="also run a real Prometheus (the `prometheus` binary: make setup installs it) scraping every "
+                        "checked server with deploy/prometheus/kvchecksum-rules.yml loaded, and check its alerts "
+                        "after the clean phase (none), the first mismatch, drop_checksums and producer_flip_bit "
+                        "(docs/alerts.md)")
     args = p.parse_args(argv)
     if args.device not in ("cpu", "cuda"):  # a default from VLLM_DEVICE is not checked by argparse
         p.error(f"VLLM_DEVICE / --device must be cpu or cuda, got {args.device!r}")
@@ -729,7 +777,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     # Only the demo's own files of an earlier run: --out may name any directory.
     for pattern in ("report.json", "process_groups.json", "*.log", "*.faults.json", "*.faults.tmp",
-                    "*.injections.jsonl"):
+                    "*.injections.jsonl", "prometheus.yml"):
         for old in work.glob(pattern):
             if old.is_file():
                 old.unlink()
@@ -740,18 +788,34 @@ def main(argv=None) -> int:
     hostile: dict[str, list[dict]] = {}
     ttft = None
     errors: dict[str, str] = {}
+    # --alerts: fail before any server starts when Prometheus is missing.
+    prometheus_bin = alerts.prometheus_binary() if args.alerts else None
     specs = server_specs(setups, args.device, work, args.python)
     off = next((s for s in setups if not s.checksums), None)
     with ProcessGroup() as group:
         servers = {s.name: [group.start(spec) for spec in specs[s.name]] for s in checked}
         proxy_server = start_proxy(group, setups, work, args.python)
         proxy = proxy_server.url
-        log(f"started {2 * len(checked)} vLLM servers and the proxy (logs in {work}); each setup runs once its "
-            "pair answers /health")
+        log(f"started {2 * len(checked)} vLLM servers (`vllm serve`) and the proxy (logs in {work}); each setup "
+            f"runs once its pair answers /health, which takes minutes on a small CPU machine")
+        for s in checked:
+            log(f"[{s.name}] producer {s.urls['producer']} and consumer {s.urls['consumer']}: {s.model.name}, "
+                f"policy {s.policy} (logs {s.logs['producer'].name}, {s.logs['consumer'].name})")
+        extra = [proxy_server]
+        prometheus = None
+        if prometheus_bin is not None:
+            targets = {alerts.job_name(s.name, side): s.urls[side].split("//", 1)[1]
+                       for s in checked for side in ("producer", "consumer")}
+            prom_server = group.start(alerts.server_spec(prometheus_bin, work, free_port_block(1), targets))
+            prometheus = alerts.Prometheus(prom_server.url)
+            extra.append(prom_server)
+            log(f"prometheus {prom_server.url} scrapes them every {alerts.INTERVAL} with "
+                f"{alerts.RULES.relative_to(ROOT)} (config {work / 'prometheus.yml'})")
         first_up = threading.Event()
         threads = [threading.Thread(
             target=run_setup, name=s.name, args=(s, proxy, args.kinds, args.requests, results, errors),
-            kwargs={"ready": lambda s=s: wait_ready(group, [*servers[s.name], proxy_server], s, t0, first_up)})
+            kwargs={"ready": lambda s=s: wait_ready(group, [*servers[s.name], *extra], s, t0, first_up),
+                    "prometheus": prometheus})
             for s in checked]
         for t in threads:
             t.start()
@@ -765,7 +829,7 @@ def main(argv=None) -> int:
             t.join()
         # Every process group the demo started, for checks that none outlives it.
         (work / "process_groups.json").write_text(json.dumps(
-            {m.name: m.pgid for ms in servers.values() for m in ms} | {proxy_server.name: proxy_server.pgid}))
+            {m.name: m.pgid for ms in servers.values() for m in ms} | {m.name: m.pgid for m in extra}))
         if args.mode == "push" and not args.no_hostile:
             # It forges kv_checksums in kv_transfer_params, the pull carrier;
             # push mode carries them in the WRITE's notification instead.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import errno
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -48,6 +49,8 @@ __all__ = [
     "free_port_block",
     "check_port_free",
     "log_tail",
+    "last_log_line",
+    "waiting_line",
 ]
 
 HOST = "127.0.0.1"
@@ -315,6 +318,27 @@ def _health(url: str, timeout: float) -> str | None:
         return f"no answer ({reason})"
 
 
+_VLLM_LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^\]]*\] ")
+
+
+def last_log_line(m: Managed, width: int = 90) -> str:
+    """The last non-empty line `m` logged in this run (the demo's own "===
+    kvcs_demo: starting" header aside), without vLLM's "(APIServer pid=N)
+    INFO date time [file:line]" prefix, cut to `width`."""
+    lines = [ln.strip() for ln in m.tail(5).splitlines() if ln.strip() and not ln.startswith("=== kvcs_demo:")]
+    if not lines:
+        return "nothing logged yet"
+    line = _VLLM_LOG_PREFIX.sub("", lines[-1]).strip()
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def waiting_line(pending: Sequence[Managed]) -> str:
+    """"waiting for NAME :PORT (45 s; last log: ...), ...": the servers still starting."""
+    now = time.monotonic()
+    return "waiting for " + ", ".join(
+        f"{m.name} :{m.port} ({now - m.started_at:.0f} s; last log: {last_log_line(m)})" for m in pending)
+
+
 class ProcessGroup:
     """The demo's processes; every one is stopped, with its descendants, on exit.
 
@@ -427,6 +451,8 @@ class ProcessGroup:
         timeout: float,
         *,
         interval: float = 0.2,
+        progress: Callable[[str], None] | None = None,
+        progress_every: float = 15.0,
     ) -> None:
         """Return once every server answers 200 at its health path.
 
@@ -434,11 +460,18 @@ class ProcessGroup:
         `ServerFailed` as soon as one of them exits (name, exit code, log tail),
         `ServerNotReady` naming those not healthy when `timeout` runs out. The
         servers are left running either way: the caller's `with` stops them.
+        With `progress`, every `progress_every` seconds it is given one line
+        naming the servers still starting, how long since each started, and
+        the last line each logged (`waiting_line`).
         """
         pending = [managed] if isinstance(managed, Managed) else list(managed)
         last_answer: dict[str, str] = {}
         deadline = time.monotonic() + timeout
+        next_progress = time.monotonic() + progress_every
         while True:
+            if progress is not None and pending and time.monotonic() >= next_progress:
+                progress(waiting_line(pending))
+                next_progress += progress_every
             for m in list(pending):
                 self._raise_if_exited(m)
                 answer = _health(

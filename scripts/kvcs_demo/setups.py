@@ -176,10 +176,20 @@ def kv_transfer_config(setup: Setup, role: str, device: str, *, control_path: Pa
     return config
 
 
+def vllm_serve(python: str) -> list[str]:
+    """`vllm serve` of the environment `python` belongs to: the `vllm` entry
+    point beside it (a venv's bin/), else the same CLI run by that Python (a
+    Python with no entry point beside it, e.g. /usr/bin/python3)."""
+    entry = Path(python).parent / "vllm"
+    if Path(python).parent != Path() and entry.is_file() and os.access(entry, os.X_OK):
+        return [str(entry), "serve"]
+    return [python, "-m", "vllm.entrypoints.cli.main", "serve"]
+
+
 def server_argv(python: str, setup: Setup, role: str, port: int, device: str, kv_config: dict) -> list[str]:
-    """The command line of one real vLLM OpenAI server, as an operator runs it."""
+    """The command line of one real vLLM OpenAI server, as an operator runs it: `vllm serve MODEL ...`."""
     tp = setup.producer_tp if role == "kv_producer" else setup.consumer_tp
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(setup.model),
+    argv = [*vllm_serve(python), str(setup.model),
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
             "--seed", "0", "--tensor-parallel-size", str(tp),
             "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]

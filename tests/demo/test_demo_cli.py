@@ -84,6 +84,25 @@ def test_parse_args_kinds_subset():
     assert parse_args(["--kinds", "change_tail,"]).kinds == ["change_tail"]
 
 
+def test_parse_args_alerts():
+    assert parse_args([]).alerts is False
+    assert parse_args(["--alerts"]).alerts is True
+
+
+def test_alerts_without_prometheus_fail_before_any_server_starts(monkeypatch, tmp_path):
+    from kvcs_demo import alerts
+
+    monkeypatch.setattr(alerts.shutil, "which", lambda name: None)
+    monkeypatch.setattr(demo, "choose_setups", lambda args: [Setup("llama", Path("/m/tiny-llama"))])
+
+    def no_servers(*a, **kw):
+        raise AssertionError("a server was started")
+    monkeypatch.setattr(demo, "server_specs", no_servers)
+    monkeypatch.setattr(demo, "ProcessGroup", no_servers)
+    with pytest.raises(alerts.AlertsError, match=r"`make setup` installs Debian's prometheus package"):
+        demo.main(["--alerts", "--out", str(tmp_path)])
+
+
 def test_parse_args_unknown_kind(capsys):
     err = parse_error(capsys, ["--kinds", "flip_bit,bogus"])
     assert "unknown fault kinds ['bogus']" in err
@@ -296,8 +315,9 @@ def test_server_argv_cpu(hybrid):
     for role, tp in (("kv_producer", "2"), ("kv_consumer", "1")):
         kv = kv_transfer_config(s, role, "cpu")
         argv = server_argv("/py/python", s, role, 12345, "cpu", kv)
-        assert argv[:3] == ["/py/python", "-m", "vllm.entrypoints.openai.api_server"]
-        assert flag(argv, "--model") == "/models/tiny"
+        # `vllm serve MODEL`, by the Python's CLI when no entry point is beside it.
+        assert argv[:5] == ["/py/python", "-m", "vllm.entrypoints.cli.main", "serve", "/models/tiny"]
+        assert "--model" not in argv and "vllm.entrypoints.openai.api_server" not in argv
         assert flag(argv, "--port") == "12345"
         assert flag(argv, "--host") == "127.0.0.1"
         assert flag(argv, "--max-model-len") == str(MAX_MODEL_LEN)
@@ -318,7 +338,7 @@ def test_server_argv_cuda(hybrid):
     for role, tp in (("kv_producer", "1"), ("kv_consumer", "2")):
         kv = kv_transfer_config(s, role, "cuda")
         argv = server_argv("py", s, role, 8000, "cuda", kv)
-        assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+        assert argv[:5] == ["py", "-m", "vllm.entrypoints.cli.main", "serve", "org/model"]
         assert flag(argv, "--tensor-parallel-size") == tp
         assert flag(argv, "--block-size") == "16"
         assert "--kv-cache-memory-bytes" not in argv and "--enforce-eager" not in argv
@@ -326,6 +346,31 @@ def test_server_argv_cuda(hybrid):
         assert "kv_buffer_device" not in kv_arg
         assert "kv_buffer_device" not in json.dumps(kv_arg)  # nor in the wrapped child
         assert ("--disable-hybrid-kv-cache-manager" in argv) is (not hybrid)
+
+
+def test_server_argv_runs_the_venvs_vllm_serve(tmp_path):
+    """A venv's Python: its own `vllm` entry point, `vllm serve MODEL` as an operator types it."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    python, entry = bin_dir / "python", bin_dir / "vllm"
+    python.write_text("")
+    entry.write_text("#!/bin/sh\n")
+    s = Setup("x", Path("/models/tiny"))
+    kv = kv_transfer_config(s, "kv_consumer", "cpu")
+    # Not executable: no entry point to run; the Python's CLI instead.
+    assert server_argv(str(python), s, "kv_consumer", 1, "cpu", kv)[:4] == \
+        [str(python), "-m", "vllm.entrypoints.cli.main", "serve"]
+    entry.chmod(0o755)
+    argv = server_argv(str(python), s, "kv_consumer", 1, "cpu", kv)
+    assert argv[:3] == [str(entry), "serve", "/models/tiny"]
+
+
+def test_the_fallback_cli_module_is_vllms_serve():
+    """The module the fallback runs is the one behind the `vllm` entry point (pyproject's console script)."""
+    import importlib.metadata
+
+    [ep] = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "vllm"]
+    assert ep.value == "vllm.entrypoints.cli.main:main"
 
 
 def test_server_env_cuda():
@@ -786,8 +831,10 @@ SETUP_KEYS = ["name", "model", "hybrid_kv_cache_manager", "policy", "fail_closed
               "startup_log", "phases", "hostile_client"]
 PHASE_KEYS = ["phase", "requests", "metrics", "false_mismatches", "outputs_equal", "outputs", "http_errors",
               "injections"]
+ALERTS_KEYS = ["expected", "seen", "problems", "wait_s"]  # a phase's "alerts" (--alerts)
 INJECTION_KEYS = ["request_id", "kind", "group", "positions", "block_ids", "skipped", "expected", "verdict",
-                  "reason", "reported", "status", "output_equal", "ok", "problem", "timings_ms"]
+                  "reason", "reported", "status", "output_equal", "output", "reference", "ok", "problem",
+                  "timings_ms"]
 HOSTILE_KEYS = ["payload", "status", "error", "verdict", "reason", "next_request_status", "ok"]
 STARTUP_KEYS = ["producer", "consumer"]  # startup_log: each server's lines
 TTFT_KEYS = ["requests_each", "on_p50_ms", "off_p50_ms", "ratio", "failed", "errors", "on_ms", "off_ms"]
@@ -802,15 +849,16 @@ def schema_text() -> str:
 
 def test_schema_lists_the_keys_checked_here():
     schema = schema_text()
-    for key in TOP_KEYS + SETUP_KEYS + PHASE_KEYS + INJECTION_KEYS + HOSTILE_KEYS + TTFT_KEYS:
+    for key in TOP_KEYS + SETUP_KEYS + PHASE_KEYS + ["alerts"] + ALERTS_KEYS + INJECTION_KEYS + HOSTILE_KEYS \
+            + TTFT_KEYS:
         assert f'"{key}"' in schema, key
     for key in MACHINE_KEYS:
         assert re.search(rf'"machine": \{{[^}}]*"{key}"', schema), key
     # Every key the schema quotes as a key is one the tests check (or a metric / label name).
     quoted = set(re.findall(r'"([a-z0-9_]+)":', schema))
     metric_names = {"loads_verified", "loads_mismatched", "mismatched_blocks"}
-    assert quoted - metric_names == set(TOP_KEYS + SETUP_KEYS + PHASE_KEYS + INJECTION_KEYS + HOSTILE_KEYS
-                                        + TTFT_KEYS + STARTUP_KEYS)
+    assert quoted - metric_names == set(TOP_KEYS + SETUP_KEYS + PHASE_KEYS + ["alerts"] + ALERTS_KEYS
+                                        + INJECTION_KEYS + HOSTILE_KEYS + TTFT_KEYS + STARTUP_KEYS)
 
 
 def report_inputs(*, bad_positions=False, hostile_ok=True):
@@ -819,6 +867,7 @@ def report_inputs(*, bad_positions=False, hostile_ok=True):
     clean = result("clean", verdict="verified", injection=None, output_equal=True)
     clean.request_id = "demo.llama.clean.000.r"
     clean.timings = {"pd_ms": 12.345, "reference_ms": 3.21}
+    clean.output = clean.reference = " w17 w17 w3"
     fault = result("flip_bit", status=503, error=MISMATCH_ERR, output_equal=None,
                    reported={0: [1]} if bad_positions else {0: [1, 3]})
     fault.request_id = "demo.llama.flip_bit.000.r"
@@ -905,6 +954,8 @@ def test_build_report_schema_and_values():
         "http_errors": 0}
     assert clean["injections"][0]["timings_ms"] == {"pd_ms": 12.3, "reference_ms": 3.2}
     assert clean["injections"][0]["kind"] is None and clean["injections"][0]["expected"] == "verified"
+    # The texts output_equal compared, kept for whoever reads the report.
+    assert (clean["injections"][0]["output"], clean["injections"][0]["reference"]) == (" w17 w17 w3", " w17 w17 w3")
     assert {k: fault[k] for k in PHASE_KEYS[1:-1]} == {
         "requests": 1, "metrics": {"loads_mismatched": 1, "mismatched_blocks": 2}, "false_mismatches": 0,
         "outputs_equal": 0, "outputs": 0, "http_errors": 1}
@@ -912,7 +963,19 @@ def test_build_report_schema_and_values():
         "request_id": "demo.llama.flip_bit.000.r", "kind": "flip_bit", "group": 0, "positions": [3, 1],
         "block_ids": [11, 13], "skipped": None, "expected": "mismatch", "verdict": "mismatch", "reason": None,
         "reported": {"0": [1, 3]}, "status": 503, "output_equal": None, "ok": True, "problem": "",
-        "where": None, "producer_recheck": None, "timings_ms": {}}]
+        "where": None, "producer_recheck": None, "output": None, "reference": None, "timings_ms": {}}]
+
+
+def test_an_alert_problem_fails_the_run():
+    args, setups, results, hostile, ttft, startup, wall = report_inputs()
+    report = build_report(args, setups, results, hostile, ttft, startup, wall)
+    assert [p["alerts"] for p in report["setups"][0]["phases"]] == [None, None]  # no --alerts
+    results["llama"][0].alerts = {"expected": ["nothing pending or firing"], "seen": [],
+                                  "problems": ["KVChecksumMismatch firing for llama-consumer after the clean phase"]}
+    report = build_report(args, setups, results, hostile, ttft, startup, wall)
+    assert report["ok"] is False and report["failures"] == [
+        "llama/clean/alerts: KVChecksumMismatch firing for llama-consumer after the clean phase"]
+    assert report["setups"][0]["phases"][0]["alerts"]["expected"] == ["nothing pending or firing"]
 
 
 def test_build_report_failures():
@@ -939,8 +1002,43 @@ def test_print_table_one_row_per_phase(capsys):
     assert phase_rows[0][:9] == ["llama", "clean", "1", "1", "0", "0", "-", "0", "1/1"]
     assert phase_rows[1][:9] == ["llama", "flip_bit", "1", "0", "1", "0", "1/1", "0", "0/0"]
     assert len(rows) - len(phase_rows) == 2  # the two hostile payloads
+    # Positions in one notation, reported / injected, each sorted.
+    assert " ".join(phase_rows[1][-5:]) == "g0:[1, 3] / g0:[1, 3]", phase_rows[1]
+    assert "{'0'" not in out and "{0:" not in out
     assert "ratio 1.05" in out
     assert "every check passed" in out and "FAIL" not in out
+
+
+def test_the_table_has_a_legend_for_every_column(capsys):
+    print_table(build_report(*report_inputs()))
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("setup "))
+    legend = "\n".join(lines[header + 1:])
+    for column in ("reqs", "verif / mism / unver", "detected", "false", "out=ref", "where", "positions"):
+        assert re.search(rf"(^|\. ){re.escape(column)}: \S", legend, re.M), column
+    assert "gG:[block positions]" in legend and "intact on P" in legend and "0/0" in legend
+
+
+def test_the_ttft_line_says_what_it_times_and_why_it_is_noise_here(capsys):
+    report = build_report(*report_inputs())
+    print_table(report)
+    out = capsys.readouterr().out
+    [line] = [ln for ln in out.splitlines() if ln.startswith("TTFT p50")]
+    assert "prefill on the producer, KV transfer, first token on the consumer" in line
+    assert "2 single requests each" in line and "ratio 1.05" in line
+    caveat = out.splitlines()[out.splitlines().index(line) + 1]
+    assert caveat.startswith("  Noise, not a cost: single requests on a shared") and "docs/performance.md" in caveat
+    report["machine"]["device"] = "cuda"
+    print_table(report)
+    out = capsys.readouterr().out
+    assert "Noise" not in out and "A smoke test, not a benchmark" in out
+
+
+def test_positions_text():
+    assert demo.positions_text({}) == "-"
+    assert demo.positions_text({"1": [4, 0], "0": [3]}) == "g0:[3] g1:[0, 4]"
+    assert demo.positions_text({10: [1], 2: [2]}) == "g2:[2] g10:[1]"
 
 
 def test_print_table_lists_failures(capsys):
@@ -1114,6 +1212,20 @@ def test_run_request_of_the_producer_flip(tmp_path, monkeypatch):
     # Its output is compared with the producer's own, under "fail" too.
     assert urls[0] == "http://p" and r.output_equal is True
     assert "no injection recorded" not in r.problem and "output differs" not in r.problem, r.problem
+
+
+def test_run_request_keeps_both_texts(tmp_path, monkeypatch):
+    s = Setup("x", Path("/m"), policy="open", injections_path=tmp_path / "c.jsonl")
+    s.urls = {"producer": "http://p", "consumer": "http://c"}
+    s.logs["consumer"] = tmp_path / "consumer.log"
+    s.injections_path.write_text("")
+    texts = {"http://p": " w1 w2", "http://proxy/pairs/x": " w1 w9"}
+    monkeypatch.setattr(demo, "completion", lambda client, url, prompt, **kw: (200, {"choices": [{"text": texts[url]}]}))
+    monkeypatch.setattr(demo, "checksum_counts", lambda url: {})
+    monkeypatch.setattr(demo, "wait_for_verdict", lambda url, before: {"loads_verified": 1})
+    r = demo.run_request(None, s, "http://proxy", "clean", 0)
+    assert (r.output, r.reference, r.output_equal) == (" w1 w9", " w1 w2", False)
+    assert r.problem == "output differs from the single-engine reference"
 
 
 def test_where_column_counts_mismatches_only():

@@ -9,6 +9,7 @@ tests can check that each one of every tree is gone after a stop.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from kvcs_demo.servers import (
     ServerSpec,
     check_port_free,
     free_port_block,
+    last_log_line,
 )
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -249,6 +251,36 @@ def test_not_healthy_in_time_names_the_server(stand_in):
         assert err.value.names == ["slow"]
         pids = tree_pids(pidfile)
     assert_all_gone(pids)
+
+
+def test_a_slow_start_says_which_server_it_waits_for(stand_in):
+    """While servers start, a line every progress_every seconds names each one
+    still starting, its port, and what it logged last."""
+    spec, pidfile = stand_in("prefill", "never-healthy")
+    lines: list[str] = []
+    with ProcessGroup(log=lambda line: None) as group:
+        m = group.start(spec)
+        wait_for(lambda: listening(spec.port), "the stand-in to listen")
+        with pytest.raises(ServerNotReady):
+            group.wait_healthy(m, timeout=3.0, progress=lines.append, progress_every=0.1)
+        pids = tree_pids(pidfile)
+    assert_all_gone(pids)
+    assert lines, "no progress line while the server was starting"
+    for line in lines:
+        assert re.fullmatch(rf"waiting for prefill :{spec.port} \(\d+ s; last log: stand-in \d+ mode never-healthy\)",
+                            line), line
+
+
+def test_last_log_line_drops_vllms_prefix(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text("=== kvcs_demo: starting x: vllm serve m\n"
+                   "(APIServer pid=12301) INFO 12-07 13:46:22 [entry.py:136] Supported tasks: ['generate']\n\n")
+    m = Managed(spec=ServerSpec("x", ["x"], {}, 1, log), popen=None, log_offset=0)
+    assert last_log_line(m) == "Supported tasks: ['generate']"
+    log.write_text("(EngineCore pid=7) WARNING 12-07 13:46:22 [cpu.py:224] " + "w" * 200 + "\n")
+    assert last_log_line(m, width=20) == "w" * 17 + "..."
+    log.write_text("=== kvcs_demo: starting x: vllm serve m\n")
+    assert last_log_line(m) == "nothing logged yet"
 
 
 def test_a_server_ignoring_sigterm_is_sigkilled(stand_in):

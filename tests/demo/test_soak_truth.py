@@ -281,7 +281,7 @@ def test_the_gpu_flow_command_lines(tmp_path):
         specs = soak.server_specs(setup, args, tmp_path)
         for side, gpu in (("producer", "0"), ("consumer", "1")):
             argv, env = specs[side].argv, specs[side].env
-            assert argv[argv.index("--model") + 1] == str(tmp_path / "model")
+            assert argv[argv.index("serve") + 1] == str(tmp_path / "model")
             assert argv[argv.index("--num-gpu-blocks-override") + 1] == "24"
             kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
             [child] = kv["kv_connector_extra_config"]["connectors"]

@@ -324,8 +324,8 @@ def test_server_spec_uses_the_demo_cpu_settings(tmp_path):
     s = StoreServer("B", "kv_consumer", True)
     spec = store.server_spec(s, Path("/models/tiny"), tmp_path, "/py", tmp_path / "mc.json")
     argv = spec.argv
-    assert argv[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
-    assert argv[argv.index("--block-size") + 1] == "32" and argv[argv.index("--model") + 1] == "/models/tiny"
+    assert argv[:5] == ["/py", "-m", "vllm.entrypoints.cli.main", "serve", "/models/tiny"]
+    assert argv[argv.index("--block-size") + 1] == "32"
     assert argv[argv.index("--kv-transfer-config") + 1] == \
         '{"kv_connector":"MooncakeStoreConnector","kv_role":"kv_consumer","kv_connector_extra_config":' \
         f'{{"lookup_rpc_port":{spec.port}}},"enable_kv_checksum":true,"kv_checksum_fail_closed":true,' \

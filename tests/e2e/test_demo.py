@@ -61,8 +61,10 @@ def total(metrics: dict, name: str) -> int:
 def demo(request, tmp_path_factory):
     mode = request.param
     out = tmp_path_factory.mktemp(f"demo-{mode}")
-    proc, report = run_demo(["--requests", "1", "--ttft-requests", "3", *(["--mode", mode] if mode != "pull" else [])],
-                            out, timeout=1800)
+    # --alerts: a real Prometheus scrapes every checked server with the
+    # project's alert rules (deploy/prometheus), read after chosen phases.
+    proc, report = run_demo(["--requests", "1", "--ttft-requests", "3", "--alerts",
+                             *(["--mode", mode] if mode != "pull" else [])], out, timeout=1800)
     assert report["mode"] == mode
     return proc, report, out
 
@@ -73,7 +75,7 @@ def test_demo_passes_and_leaves_no_process(demo):
     assert proc.returncode == 0
     # No process of any group the demo started is left.
     groups = json.loads((out / "process_groups.json").read_text())
-    assert len(groups) == 2 * 4 + 1, groups  # 4 pairs and the proxy
+    assert len(groups) == 2 * 4 + 2, groups  # 4 pairs, the proxy and Prometheus
     left = processes_left(groups.values())
     assert not left, f"processes left behind: {left}"
 
@@ -189,6 +191,34 @@ def test_ttft_on_and_off_measured_in_the_same_run(demo):
     _, report, _ = demo
     t = report["ttft"]
     assert t["on_p50_ms"] > 0 and t["off_p50_ms"] > 0 and t["ratio"] > 0
+
+
+def test_alerts_fire_in_fault_phases_and_are_silent_in_the_clean_phase(demo):
+    """A real Prometheus scraping the demo's servers with deploy/prometheus/kvchecksum-rules.yml:
+    nothing pending or firing after the clean phase; KVChecksumMismatch{cause="corrupt"} firing for the
+    consumer after the first consumer fault, KVChecksumUnverified{reason="no_producer_checksums"} pending
+    after drop_checksums, KVChecksumProducerChanged firing for the producer after producer_flip_bit."""
+    _, report, out = demo
+    assert "rule_files" in (out / "prometheus.yml").read_text()
+    for s in report["setups"]:
+        phases = {p["phase"]: p for p in s["phases"]}
+        checked = {name for name, p in phases.items() if p["alerts"] is not None}
+        assert checked == {"clean", "flip_bit", "drop_checksums", PRODUCER_FLIP}, (s["name"], checked)
+        for p in phases.values():
+            if p["alerts"] is not None:
+                assert p["alerts"]["problems"] == [], (s["name"], p["phase"], p["alerts"])
+        clean = phases["clean"]["alerts"]["seen"]
+        assert not [a for a in clean if a["state"] == "firing"], (s["name"], clean)
+        assert not [a for a in clean if a["alertname"] in ("KVChecksumMismatch", "KVChecksumUnverified")], clean
+        flip = phases["flip_bit"]["alerts"]["seen"]
+        assert any(a["alertname"] == "KVChecksumMismatch" and a["state"] == "firing" and a["cause"] == "corrupt"
+                   and a["job"] == f"{s['name']}-consumer" for a in flip), (s["name"], flip)
+        drop = phases["drop_checksums"]["alerts"]["seen"]
+        assert any(a["alertname"] == "KVChecksumUnverified" and a["reason"] == "no_producer_checksums"
+                   and a["job"] == f"{s['name']}-consumer" for a in drop), (s["name"], drop)
+        changed = phases[PRODUCER_FLIP]["alerts"]["seen"]
+        assert any(a["alertname"] == "KVChecksumProducerChanged" and a["state"] == "firing"
+                   and a["job"] == f"{s['name']}-producer" for a in changed), (s["name"], changed)
 
 
 # -- a hybrid (Mamba2 + attention) model ---------------------------------------
