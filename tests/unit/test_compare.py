@@ -468,6 +468,47 @@ def test_worker_reporting_twice_is_unverified():
     assert_unverified(verdict, UnverifiedReason.MALFORMED_RECORD)
 
 
+def test_a_worker_the_engine_does_not_have_is_a_malformed_record():
+    """A record from a TP rank past the engine's TP size is no late worker a
+    retry would wait for (missing_workers, retried): it is malformed, whether
+    every real worker reported too or one of them is missing."""
+    side = Side(tp=2)
+    records = side_records(side, producer=False)
+    stranger = replace(records[1], tp_rank=2)
+    for reported in (records + [stranger], records[:1] + [stranger]):
+        verdict = consume(side, produce(Side()), reported)
+        assert_unverified(verdict, UnverifiedReason.MALFORMED_RECORD)
+        assert "(pp 0, tp 2)" in verdict.describe() and "2 workers" in verdict.describe()
+    # Only missing ones are missing workers.
+    assert_unverified(consume(side, produce(Side()), records[:1]), UnverifiedReason.MISSING_WORKERS)
+
+
+@pytest.mark.parametrize("key", [(1, 1), (2, 2), (1, -1), (0, 0)])
+def test_a_partial_key_that_names_no_copy_is_a_malformed_record(key):
+    """A copy index must be one of its R copies (0 <= i < R): a key (R, R)
+    is no copy, and must not be summed into nothing and left out of every
+    check while the rest verifies."""
+    side = Side()
+    records = side_records(side, producer=False)
+    group = records[0].requests[REQ][0]
+    values = next(iter(group.partials.values()))
+    records[0].requests[REQ][0] = replace(group, partials={**group.partials, key: values + np.uint64(1)})
+    verdict = consume(side, produce(side), records)
+    assert_unverified(verdict, UnverifiedReason.MALFORMED_RECORD)
+    assert "partial key" in verdict.describe()
+
+
+@pytest.mark.parametrize("claimed", [True, False, 1.0, np.int64(1)])
+def test_a_connector_tp_size_that_is_no_int_is_never_taken_for_one(claimed):
+    """bool is an int subclass: True must not pass for TP size 1."""
+    side = Side()
+    verdict = compare_load(produce(side), side_records(side, producer=False), REQ, side.workers,
+                           side.consumer_scheduled(), side.num_tokens, producer_tp_size=claimed)
+    assert_unverified(verdict, UnverifiedReason.PRODUCER_TP_SIZE_DIFFERS)
+    assert_verified(compare_load(produce(side), side_records(side, producer=False), REQ, side.workers,
+                                 side.consumer_scheduled(), side.num_tokens, producer_tp_size=1))
+
+
 def test_records_of_other_requests_are_ignored():
     side = Side(tp=2)
     records = side_records(side, producer=False)
@@ -820,3 +861,29 @@ def test_windowed_group_with_larger_consumer_blocks_leaves_out_one_block_at_most
 
     verdict = consume(WindowedSide(block_size=32), produce(Side(block_size=8, starts={g: 8 for g in GROUPS})))
     assert_unverified(verdict, UnverifiedReason.NOT_COVERED_BY_PRODUCER, group=GROUPS[0])
+
+
+def test_windowed_group_with_equal_block_sizes_leaves_out_no_block():
+    # Equal block sizes clip the window at the same boundary on both sides:
+    # the one-chunk slack of different sizes does not apply, and a payload
+    # that leaves out the first loaded block must not verify.
+    @dataclass
+    class WindowedSide(Side):
+        def consumer_scheduled(self):
+            return {g: ConsumerGroupBlocks(self.start(g), self.num_blocks(g), self.block_size, windowed=True)
+                    for g in GROUPS}
+
+    verdict = consume(WindowedSide(), produce(Side(starts={g: 1 for g in GROUPS})))
+    assert_unverified(verdict, UnverifiedReason.NOT_COVERED_BY_PRODUCER, group=GROUPS[0])
+    assert "cover 6 of the 7 loaded blocks" in verdict.describe()
+    assert_verified(consume(WindowedSide(), produce(Side())))
+
+
+@pytest.mark.parametrize("ranges, cut", [(15, False), (16, False), (17, True)])
+def test_positions_are_cut_only_past_sixteen_ranges(ranges, cut):
+    from vllm_kvchecksum.core.verdicts import format_positions
+
+    text = format_positions([3 * i for i in range(ranges)])
+    assert text.endswith(", ...") is cut
+    shown = text.removesuffix(", ...").split(", ")
+    assert shown == [str(3 * i) for i in range(min(ranges, 16))]

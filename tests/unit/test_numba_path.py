@@ -214,6 +214,24 @@ def test_odd_arguments_take_the_compiled_signatures():
     assert torch.equal(wide, want) and len(numba_path._cache_rows.signatures) == 3
 
 
+def test_two_layers_into_one_column_of_a_non_contiguous_out():
+    """Layers of one group add into the same column: through a non-contiguous
+    out (copied for the pass and written back) the column must end as the
+    sum of both layers, as on the PyTorch path, not with the first counted twice."""
+    first, second = kv(8, 2, 16, 64, seed=1), kv(8, 2, 16, 64, seed=2)
+    ids, t0, valid = torch.tensor([3, 1, 6, 0]), torch.tensor([0, 16, 32, 48]), torch.tensor([16, 9, 16, 0])
+    outs = {}
+    for path in ("numba", "torch"):
+        out = torch.zeros(3, 4, dtype=torch.int64).t()  # not C-contiguous
+        out[:, 0] = 7  # another group's column: left as it is
+        for layer, caches in enumerate((first, second)):
+            LayerView(caches, block_size=16, layer=layer, path=path).accumulate(out, 1, ids, t0, valid)
+        outs[path] = out
+    assert not outs["numba"].is_contiguous()
+    assert torch.equal(outs["numba"], outs["torch"]) and (outs["numba"][:3, 1] != 0).all()
+    assert (outs["numba"][:, 0] == 7).all() and (outs["numba"][:, 2] == 0).all()
+
+
 def test_rows_sharing_memory_are_refused(cpu_path):
     k, v = kv(4, 2, 16, 64)
     view = LayerView([k, v], block_size=16, layer=0)

@@ -94,17 +94,18 @@ def _reports_by_worker(records: Sequence[KVChecksumRecord], req_id: str,
                         f"workers report tp_size {tp_size} x pp_size {pp_size}, "
                         f"but {expected_workers} workers are expected")
     expected = {(pp, tp) for pp in range(pp_size) for tp in range(tp_size)}
-    missing = sorted(expected - set(by_worker))
     unknown = sorted(set(by_worker) - expected)
-    if missing or unknown:
-        detail = []
-        if missing:
-            detail.append("missing " + ", ".join(map(_worker_name, missing)))
-        if unknown:
-            detail.append("unexpected " + ", ".join(map(_worker_name, unknown)))
+    if unknown:
+        # A rank past the engine's TP x PP layout is no worker that is late
+        # (missing_workers, which a retry may outwait): the record is wrong.
+        return _Problem(UnverifiedReason.MALFORMED_RECORD,
+                        f"{', '.join(map(_worker_name, unknown))} reported the request, but the engine has "
+                        f"{expected_workers} workers (tp_size {tp_size} x pp_size {pp_size})")
+    missing = sorted(expected - set(by_worker))
+    if missing:
         return _Problem(UnverifiedReason.MISSING_WORKERS,
                         f"{len(expected) - len(missing)} of {expected_workers} workers "
-                        f"reported the request ({'; '.join(detail)})")
+                        f"reported the request (missing {', '.join(map(_worker_name, missing))})")
     return by_worker
 
 
