@@ -12,7 +12,7 @@ SOAK_ARGS ?=
 PY := .venv/bin/python
 WORKBENCH := cd scripts && ../$(PY) -m workbench
 
-.PHONY: help demo soak rollback setup test test-unit test-e2e test-upstream apply unapply refresh check-series rebase-check bench clean
+.PHONY: help demo soak rollback setup test test-unit test-e2e test-upstream apply unapply wheels refresh check-series rebase-check bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -41,13 +41,19 @@ test-e2e: setup ## the end-to-end test alone: a short make demo on real servers
 test-upstream: setup ## the upstream regression gate alone
 	$(WORKBENCH) upstream --jobs 2
 
-apply: ## apply the series to VLLM_SRC (a v0.32.0 git checkout or unpacked tree)
+apply: ## apply the series to a vLLM source tree VLLM_SRC (v0.32.0 git checkout or sdist; pip installs: vllm-kvchecksum apply)
 	@test -n "$(VLLM_SRC)" || { echo "usage: make apply VLLM_SRC=/path/to/vllm-0.32.0" >&2; exit 2; }
 	@$(WORKBENCH) apply "$(abspath $(VLLM_SRC))"
 
-unapply: ## remove the series from VLLM_SRC
+unapply: ## remove the series from the source tree VLLM_SRC (pip installs: vllm-kvchecksum undo)
 	@test -n "$(VLLM_SRC)" || { echo "usage: make unapply VLLM_SRC=/path/to/vllm-0.32.0" >&2; exit 2; }
 	@$(WORKBENCH) unapply "$(abspath $(VLLM_SRC))"
+
+# Needs no .venv: any python3 with pip (setuptools>=78 there skips the isolated build).
+WHEELS_PY := $(if $(wildcard $(PY)),$(PY),python3)
+
+wheels: ## build/wheels/: the helper's wheel + the release wheel patched (VLLM_DEVICE=cpu|cuda; docs/install.md)
+	$(WHEELS_PY) scripts/build_wheels.py --device $(VLLM_DEVICE) --out build/wheels
 
 refresh: ## rewrite patches/ from the commits on top of the base in build/vllm
 	@$(WORKBENCH) refresh

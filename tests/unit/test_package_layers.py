@@ -98,12 +98,27 @@ def test_the_circle_finder_finds_a_circle_through_a_lazy_import(tmp_path):
 
 def layer_of(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 and parts[0] == "vllm_kvchecksum" else None
+    return parts[1] if len(parts) > 2 and parts[0] == "vllm_kvchecksum" and parts[1] in LAYERS else None
+
+
+# Beside the layers: install/ (`vllm-kvchecksum apply|undo|status`, `make wheels`) runs where vLLM is
+# not importable or is about to be patched, so it imports nothing but the standard library and itself.
+STANDALONE = ("install",)
 
 
 def test_every_module_sits_in_a_layer():
     assert [m for m in module_imports(ROOT / "vllm_kvchecksum")
-            if m != "vllm_kvchecksum" and m.split(".")[1] not in LAYERS] == []
+            if m != "vllm_kvchecksum" and m.split(".")[1] not in LAYERS + STANDALONE] == []
+
+
+def test_install_imports_only_the_standard_library_and_itself():
+    imports = module_imports(ROOT / "vllm_kvchecksum")
+    own = "vllm_kvchecksum.install"
+    outside = {m: sorted(d for d in deps if not (d == own or d.startswith(own + "."))
+                         and d.split(".")[0] not in sys.stdlib_module_names)
+               for m, deps in imports.items() if m == own or m.startswith(own + ".")}
+    assert {m: deps for m, deps in outside.items() if deps} == {}
+    assert any(m.startswith(own + ".") for m in imports), "no install modules found: the check checks nothing"
 
 
 def test_no_layer_imports_a_layer_above_it():
