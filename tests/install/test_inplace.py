@@ -167,6 +167,21 @@ def test_an_error_while_writing_puts_back_every_file_already_written(site, serie
     assert snapshot(site) == before
 
 
+def test_the_command_line_says_a_write_failed_and_that_nothing_changed(site, monkeypatch):
+    before = snapshot(site)
+    real_write = inplace._write
+
+    def read_only(path, data):
+        if path.is_relative_to(site / "vllm"):
+            raise PermissionError(13, "Permission denied (injected)", str(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(inplace, "_write", read_only)
+    out = run_cli("apply", "--site", str(site))
+    assert out.returncode == 2 and "error while writing" in out.stderr and "nothing was changed" in out.stderr
+    assert snapshot(site) == before
+
+
 def test_a_file_edited_since_install_is_refused_even_where_the_patches_still_apply(site, series):
     # An edit away from every hunk: the diffs apply, but undo could not give back what pip installed.
     rel = series.runtime_paths()[0]

@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     except (inplace.InstallError, PatchError) as exc:
         print(f"vllm-kvchecksum {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        # A write that failed (permissions, a full disk): apply and undo put back what they wrote.
+        print(f"vllm-kvchecksum {args.cmd}: error while writing: {exc}. The files written before it were put "
+              "back; nothing was changed. Run it as the user that owns the environment, with space on its disk.",
+              file=sys.stderr)
+        return 2
     print(outcome.text.rstrip())
     return outcome.code
 
