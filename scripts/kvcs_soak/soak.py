@@ -585,14 +585,18 @@ def where_of_victims(truths, consumer_log: Path, producer_log: Path) -> dict[str
                         if t.truth == "victim" and t.verdict == "mismatch"))
 
 
-def judge_where(report: dict, mode: str) -> None:
+def judge_where(report: dict, mode: str, died: bool = False) -> None:
     """Every caught victim wrote an incident line; in pull mode, every one is
     placed on the producer: a read of blocks it had released (its lease ran
-    out), which is how the soak's race makes victims."""
+    out, and its line of the read after the release), which is how the
+    soak's race makes victims. A killed producer takes the lines of the
+    reads it saw last with it: then a release with no read logged after it
+    (unknown) is allowed too."""
     where = report["where"]
+    allowed = {incident.RELEASED_BEFORE_READ} | ({incident.UNKNOWN_RELEASED} if died else set())
     if where.get(NO_INCIDENT):
         report["failures"].append(f"{where[NO_INCIDENT]} caught victims wrote no incident line")
-    elif mode == "pull" and set(where) - {incident.RELEASED_BEFORE_READ}:
+    elif mode == "pull" and set(where) - allowed:
         report["failures"].append(f"victims not attributed to the producer's release before the read: {where}")
     report["ok"] = not report["failures"]
 
@@ -632,12 +636,19 @@ def judge_reads_after_release(report: dict, truths, late: set[str], counted: flo
 
 
 def judge_rechecks(report: dict, rechecks: dict[str, int], sent: int, died: bool) -> None:
-    """No producer re-check finds changed KV (the soak changes none), and,
-    unless the producer was killed, every send was re-checked once."""
+    """No producer re-check finds changed KV (the soak changes none); some
+    re-check judged a send (intact or changed: a run whose every re-check is
+    not_rechecked has tested nothing); and, unless the producer was killed,
+    every send was re-checked once."""
     report["producer_rechecks"] = rechecks
     if rechecks.get("changed"):
         report["failures"].append(f"the producer's re-check found its KV changed {rechecks['changed']} times, "
                                   f"but the soak changes no producer KV (false alarms)")
+    judged = rechecks.get("intact", 0) + rechecks.get("changed", 0)
+    if (sent or sum(rechecks.values())) and not judged:
+        report["failures"].append(f"the producer's re-checks judged none of its {sent} sends ({rechecks}): "
+                                  f"kv_checksum_producer_recheck off, or every re-check failed to compare "
+                                  f"(the producer's log says why, at debug level)")
     if not died and sum(rechecks.values()) != sent:
         report["failures"].append(f"{sum(rechecks.values())} producer re-checks {rechecks} for {sent} sends")
     report["ok"] = not report["failures"]
@@ -661,8 +672,11 @@ def build_report(args, answers, planned, counts, truths, started, alive, rss, wa
     # vLLM's toy proxy gives the servers ids of its own (uuid): a load names
     # no client, so hung-up clients and failed answers are matched by count.
     by_count = getattr(args, "proxy", "project") == "vllm"
-    det = truth.detection(truths, None if by_count else hung_up,
-                          int(consumer.get("loads_not_compared/request_ended", 0)))
+    det = truth.detection(truths, None if by_count else hung_up)
+    # Reported beside the excuses, which rest on each load's own line: the
+    # loads the drill saw end unjudged, and the consumer's count of them.
+    det["loads_ended_unjudged"] = {"witnessed": sum(t.ended_unjudged for t in truths),
+                                   "counted": int(consumer.get("loads_not_compared/request_ended", 0))}
     answered = {"ok": sum(a.status == 200 for a in answers),
                 "mismatch_503": sum(a.status == 503 and "kv_checksum_mismatch" in (a.error or "") for a in answers),
                 "disconnected": sum(a.disconnected for a in answers)}
@@ -715,16 +729,17 @@ def build_report(args, answers, planned, counts, truths, started, alive, rss, wa
         failures.append(f"consumer counters do not reconcile: {rec_c}")
     if rec_p["difference"]:
         failures.append(f"producer counters do not reconcile: {rec_p}")
-    # A floor on loads judged against the ground truth (clean, victim, failed
-    # by the connector), not on clean ones: how many clean loads a lease
-    # expiry turns into victims (pull) or failed loads (push, Mooncake)
+    # A floor on loads judged against the ground truth (clean or victim), not
+    # on clean ones: how many clean loads a lease expiry turns into victims
     # depends on the machine's speed, as a slow consumer's queue outlasts the
-    # lease in the waves too; their sum does not.
-    judged = det["loads"] - det["unknown"]
+    # lease in the waves too; their sum does not. A load the connector failed
+    # is not judged: its bytes were never used, and a run whose loads all
+    # fail (a push or Mooncake lease too short) has shown nothing.
+    judged = det["clean"] + det["victim"]
     if judged < args.min_judged:
         failures.append(f"only {judged} loads judged against the ground truth ({det['clean']} clean, "
-                        f"{det['victim']} victims, {det['load_failed']} failed by the connector; at least "
-                        f"{args.min_judged} needed)")
+                        f"{det['victim']} victims; {det['load_failed']} failed by the connector and "
+                        f"{det['unknown']} unknown are not judged; at least {args.min_judged} needed)")
     if det["clean"] < args.min_clean:
         failures.append(f"only {det['clean']} clean loads (at least {args.min_clean} needed)")
     if not consumer.get("preemptions") and not producer.get("preemptions"):
@@ -991,7 +1006,7 @@ def main(argv=None) -> int:
     report = build_report(args, answers, planned, counts, truths, started, alive, rss, time.monotonic() - t0,
                           death, held)
     report["where"] = where_of_victims(truths, setup.logs["consumer"], setup.logs["producer"])
-    judge_where(report, args.mode)
+    judge_where(report, args.mode, death is not None)
     judge_rechecks(report, rechecks, int(counts["producer"].get("sent", 0)), death is not None)
     judge_reads_after_release(report, truths, late_reads, late_counted, args.mode, death is not None)
     report["cost"] = cost

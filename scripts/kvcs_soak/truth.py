@@ -62,6 +62,11 @@ class LoadTruth:
     positions: dict[str, list[int]] = field(default_factory=dict)  # group -> differing block positions
     verdict: str = "verified_or_other"  # "mismatch" when the consumer logged one
     remote_request_id: str | None = None  # the producer's request, where the load was paired with it
+    # Its request ended before the connector reported the load finished, so
+    # the checksum scheduler never judged it (the drill's "request_ended"
+    # line with load_finished false): the load's own evidence, the only one
+    # that excuses a victim no mismatch was reported for.
+    ended_unjudged: bool = False
 
 
 def _merged(lines: Iterable[dict], side: str) -> dict[tuple[str, int], dict]:
@@ -103,6 +108,10 @@ def judge_loads(sends: Iterable[dict], loads: Iterable[dict], mismatched: set[st
     # A load the connector reported failed (a "load_failed" line, also after
     # its digests when the connector named its bad blocks) was never used.
     failed = {load["request_id"] for load in loads if load.get("side") == "load_failed"}
+    # A request that ended with its load still in flight; one whose load was
+    # reported finished first was judged (verified, mismatched or unverified).
+    ended_unjudged = {line.get("request_id") for line in loads if line.get("side") == "scheduler"
+                      and line.get("event") == "request_ended" and line.get("load_finished") is False}
     out = []
     for (rid, _), line in _merged(loads, "load_failed").items():
         out.append(LoadTruth(rid, "load_failed", verdict="mismatch" if rid in mismatched else "verified_or_other"))
@@ -130,25 +139,28 @@ def judge_loads(sends: Iterable[dict], loads: Iterable[dict], mismatched: set[st
             differ = differing_positions(sent_digests.get(group, {}), digests)
             if differ:
                 positions[group] = differ
-        out.append(LoadTruth(rid, "victim" if positions else "clean", positions, verdict, producer.get("request_id")))
+        out.append(LoadTruth(rid, "victim" if positions else "clean", positions, verdict, producer.get("request_id"),
+                             ended_unjudged=rid in ended_unjudged))
     return out
 
 
-def detection(truths: list[LoadTruth], hung_up: set[int] | None = frozenset(), ended_unjudged: int = 0) -> dict:
+def detection(truths: list[LoadTruth], hung_up: set[int] | None = frozenset()) -> dict:
     """The soak's headline: victims caught, false alarms among clean loads.
 
-    A victim that is no mismatch is missed, unless its client hung up and
-    the request ended before its load was judged: nobody used that KV (vLLM
-    caches a loaded block only for a request still there). At most
-    `ended_unjudged` loads (the consumer's not_compared{request_ended}) can
-    be excused so; any more are missed. hung_up None: the loads name no
-    client (vLLM's toy proxy), so only that count bounds the excuse.
+    A victim that is no mismatch is missed, unless its own line says its
+    request ended before its load was judged (LoadTruth.ended_unjudged):
+    nobody used that KV (vLLM caches a loaded block only for a request still
+    there). A victim the consumer judged (verified it, or left it
+    unverified) is missed whenever its client hung up: no count of other
+    loads excuses it. hung_up: the clients that hung up; a victim is excused
+    only if its client is among them. None: the loads name no client
+    (vLLM's toy proxy), so only the load's own line counts.
     """
     counts = Counter(t.truth for t in truths)
     victims = [t for t in truths if t.truth == "victim"]
     unjudged = [t for t in victims if t.verdict != "mismatch"]
     excused = [t.request_id for t in unjudged
-               if hung_up is None or client_index(t.request_id) in hung_up][:ended_unjudged]
+               if t.ended_unjudged and (hung_up is None or client_index(t.request_id) in hung_up)]
     missed = [t.request_id for t in unjudged if t.request_id not in excused]
     false_alarms = [t.request_id for t in truths if t.truth == "clean" and t.verdict == "mismatch"]
     return {"loads": len(truths), **{k: counts.get(k, 0) for k in ("victim", "clean", "unknown", "load_failed")},

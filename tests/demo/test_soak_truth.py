@@ -77,23 +77,43 @@ def test_detection_counts_missed_victims_and_false_alarms():
     assert det["victims_missed"] == ["missed"] and det["false_alarms"] == ["cried"]
 
 
-def test_a_victim_whose_client_hung_up_is_excused_only_up_to_the_loads_never_judged():
+def ended(rid, finished):
+    """The drill's line for a witnessed load's request ending (fault_connector._load_ended)."""
+    return {"side": "scheduler", "event": "request_ended", "request_id": rid, "load_finished": finished,
+            "status": "FINISHED_ABORTED"}
+
+
+def test_a_victim_is_excused_only_by_its_own_line_saying_it_ended_unjudged():
     sends = [send("p", SENT)]
-    loads = [load("cmpl-soak-3-0-ab", "p", {"0": "X"}), load("cmpl-soak-4-0-cd", "p", {"0": "X"}),
-             load("cmpl-soak-5-0-ef", "p", {"0": "X"})]
-    truths = truth.judge_loads(sends, loads, set())
-    det = truth.detection(truths, hung_up={3, 4}, ended_unjudged=1)
+    loads = [load("cmpl-soak-3-0-ab", "p", {"0": "X"}), ended("cmpl-soak-3-0-ab", False),
+             # Verified (its load was reported finished, so judged), then its client hung up.
+             load("cmpl-soak-4-0-cd", "p", {"0": "X"}), ended("cmpl-soak-4-0-cd", True),
+             # Ended unjudged, but its client never hung up.
+             load("cmpl-soak-5-0-ef", "p", {"0": "X"}), ended("cmpl-soak-5-0-ef", False),
+             # No line at all.
+             load("cmpl-soak-6-0-01", "p", {"0": "X"}),
+             # Caught: never excused, never missed.
+             load("cmpl-soak-7-0-23", "p", {"0": "X"}), ended("cmpl-soak-7-0-23", False)]
+    truths = truth.judge_loads(sends, loads, {"cmpl-soak-7-0-23"})
+    assert [t.ended_unjudged for t in truths] == [True, False, True, False, True]
+    det = truth.detection(truths, hung_up={3, 4, 6, 7})
     assert det["victims_ended_unjudged"] == ["cmpl-soak-3-0-ab"]
-    assert det["victims_missed"] == ["cmpl-soak-4-0-cd", "cmpl-soak-5-0-ef"]
-    assert truth.detection(truths, hung_up={3, 4, 5}, ended_unjudged=5)["victims_missed"] == []
+    assert det["victims_missed"] == ["cmpl-soak-4-0-cd", "cmpl-soak-5-0-ef", "cmpl-soak-6-0-01"]
+    assert det["victims_caught"] == 1
+    # However many other loads ended unjudged, a verified victim is missed.
+    others = [x for i in range(10) for x in (load(f"cmpl-soak-{20 + i}-0-aa", "p", {"0": "a"}),
+                                             ended(f"cmpl-soak-{20 + i}-0-aa", False))]
+    det = truth.detection(truth.judge_loads(sends, loads[2:4] + others, set()), hung_up={4, *range(20, 30)})
+    assert det["victims_missed"] == ["cmpl-soak-4-0-cd"] and det["victims_ended_unjudged"] == []
     assert truth.client_index("cmpl-soak-12-prefill-0-ab") == 12 and truth.client_index("cmpl-x") is None
 
 
-def test_behind_a_proxy_with_ids_of_its_own_only_the_count_bounds_the_excuse():
+def test_behind_a_proxy_with_ids_of_its_own_only_the_loads_own_line_excuses_it():
     sends = [send("p", SENT)]
-    loads = [load("uuid-1", "p", {"0": "X"}), load("uuid-2", "p", {"0": "X"})]
-    det = truth.detection(truth.judge_loads(sends, loads, set()), hung_up=None, ended_unjudged=1)
-    assert det["victims_ended_unjudged"] == ["uuid-1"] and det["victims_missed"] == ["uuid-2"]
+    loads = [load("uuid-1", "p", {"0": "X"}), ended("uuid-1", False),
+             load("uuid-2", "p", {"0": "X"}), ended("uuid-2", True), load("uuid-3", "p", {"0": "X"})]
+    det = truth.detection(truth.judge_loads(sends, loads, set()), hung_up=None)
+    assert det["victims_ended_unjudged"] == ["uuid-1"] and det["victims_missed"] == ["uuid-2", "uuid-3"]
 
 
 def test_mismatch_lines_name_the_consumer_request():
@@ -236,8 +256,10 @@ def test_the_report_fails_without_preemption_and_with_an_unexplained_error_or_to
     both = [truth.LoadTruth("cmpl-soak-0-x", "clean"), caught]
     assert report(1, 0, ok, min_judged=2, truths=both)["ok"]
     assert report(1, 0, ok, min_clean=1, min_judged=2, truths=both)["ok"]
+    # A load the connector failed was never judged: no floor counts it.
     failed = truth.LoadTruth("cmpl-soak-1-y", "load_failed")
-    assert report(1, 0, ok, min_judged=2, truths=[both[0], failed])["ok"]
+    assert any("2 needed" in f for f in report(1, 0, ok, min_judged=2, truths=[both[0], failed])["failures"])
+    assert report(1, 0, ok, min_judged=2, truths=[both[0], failed, caught])["ok"]
     unknown = [both[0], truth.LoadTruth("cmpl-soak-1-x", "unknown")]
     assert any("2 needed" in f for f in report(1, 0, ok, min_judged=2, truths=unknown)["failures"])
     assert any("clean loads" in f for f in report(1, 0, ok, min_clean=1, truths=[caught])["failures"])
@@ -329,25 +351,40 @@ def test_where_each_caught_victim_happened(tmp_path):
     consumer, producer = tmp_path / "consumer.log", tmp_path / "producer.log"
     consumer.write_text("\n".join(incident.INCIDENT_MARK + json.dumps(incident.incident_record(**dict(record, **c)))
                                   for c in ({}, {"request_id": "cmpl-soak-2-x", "remote_request_id": "p-2"})))
+    late = incident.producer_record(request_id="p-1", transfer_id=None, result=incident.READ_AFTER_RELEASE, groups={},
+                                    engine_id="e", connector="NixlConnector", carrier=None, tp_size=1, pp_size=1,
+                                    block_sizes={0: 32}, reason="", now=0.0)
     producer.write_text("Releasing expired KV blocks for request p-1 which were retrieved by 0 remote worker(s) before "
+                        f"lease expired.\n{incident.INCIDENT_MARK}{json.dumps(late)}\n"
+                        "Releasing expired KV blocks for request p-5 which were retrieved by 0 remote worker(s) before "
                         "lease expired.\nPotentially invalid KV blocks for unrecognized request p-2 were retrieved by a "
                         "decode worker")
+    consumer.write_text(consumer.read_text() + "\n" + incident.INCIDENT_MARK + json.dumps(incident.incident_record(
+        **dict(record, request_id="cmpl-soak-5-x", remote_request_id="p-5"))))
     truths = [truth.LoadTruth("cmpl-soak-1-x", "victim", verdict="mismatch"),
               truth.LoadTruth("cmpl-soak-2-x", "victim", verdict="mismatch"),
               truth.LoadTruth("cmpl-soak-3-x", "victim", verdict="mismatch"),
+              truth.LoadTruth("cmpl-soak-5-x", "victim", verdict="mismatch"),
               truth.LoadTruth("cmpl-soak-4-x", "clean")]
     where = soak.where_of_victims(truths, consumer, producer)
-    assert where == {incident.RELEASED_BEFORE_READ: 1, incident.NOT_RECHECKED: 1, soak.NO_INCIDENT: 1}
+    assert where == {incident.RELEASED_BEFORE_READ: 1, incident.NOT_RECHECKED: 1, soak.NO_INCIDENT: 1,
+                     incident.UNKNOWN_RELEASED: 1}
 
-    def judged(where, mode):
+    def judged(where, mode, died=False):
         report = {"where": where, "failures": [], "ok": True}
-        soak.judge_where(report, mode)
+        soak.judge_where(report, mode, died)
         return report
 
     assert judged({incident.RELEASED_BEFORE_READ: 3}, "pull")["ok"]
     assert not judged(where, "push")["ok"]  # a victim without an incident line, in any mode
     assert not judged({incident.RELEASED_BEFORE_READ: 1, incident.NOT_RECHECKED: 1}, "pull")["ok"]
     assert judged({incident.NOT_RECHECKED: 2}, "push")["ok"]
+    # A pull victim whose read after the release went unlogged: only a killed
+    # producer (that took its last lines with it) excuses that.
+    released_unread = {incident.RELEASED_BEFORE_READ: 2, incident.UNKNOWN_RELEASED: 1}
+    assert not judged(released_unread, "pull")["ok"]
+    assert judged(released_unread, "pull", died=True)["ok"]
+    assert not judged({incident.RELEASED_BEFORE_READ: 1, incident.NOT_RECHECKED: 1}, "pull", died=True)["ok"]
 
 
 def test_the_producers_rechecks_are_counted_and_judged(tmp_path):
@@ -378,6 +415,14 @@ def test_the_producers_rechecks_are_counted_and_judged(tmp_path):
     assert not judged(rechecks, 2)["ok"]  # a send re-checked twice
     assert judged(rechecks, 4, died=True)["ok"]  # ... unless the producer was killed
     assert "false alarms" in judged({"intact": 2, "changed": 1}, 3)["failures"][0]
+    # Re-checks that judged nothing (none could compare) fail the run, also
+    # with one per send and after the producer's death.
+    for died in (False, True):
+        nothing = judged({"not_rechecked": 3}, 3, died)
+        assert not nothing["ok"] and "judged none of its 3 sends" in nothing["failures"][0]
+    assert judged({"not_rechecked": 2, "intact": 1}, 3)["ok"]
+    assert judged({}, 0)["ok"]  # nothing sent, nothing to re-check
+    assert not judged({}, 2, died=True)["ok"]
 
 
 def test_every_pull_victim_was_read_after_its_producer_released_it():

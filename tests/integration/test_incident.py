@@ -75,16 +75,26 @@ def test_the_join_names_a_read_after_release_on_the_producer(caplog, tmp_path, c
     consumer_log.write_text("\n".join(f"(EngineCore pid=1) ERROR 12-05 01:00:00 [scheduler.py:1] {r.getMessage()}"
                                       for r in caplog.records if r.name == incident.INCIDENT_LOGGER))
     producer_log = tmp_path / "producer.log"
-    # vLLM NIXL's line when a request's lease runs out before its read; the
-    # second request's notification after its release alone is no evidence.
-    producer_log.write_text(f"(Worker pid=2) WARNING 12-05 01:00:00 [base_worker.py:3033] Releasing expired KV "
-                            f"blocks for request {reads[0]} which were retrieved by 0 remote worker(s) before lease "
-                            f"expired.\n"
+    # vLLM NIXL's line when a request's lease runs out before its read, and the
+    # producer's own line for the read that came after; the second request's
+    # notification after its release alone is no evidence.
+    late = incident.producer_record(request_id=reads[0], transfer_id=None, result=incident.READ_AFTER_RELEASE,
+                                    groups={}, engine_id=P.scheduler.vllm_config.kv_transfer_config.engine_id,
+                                    connector="NixlConnector", carrier=None, tp_size=1,
+                                    pp_size=1, block_sizes={0: 16}, reason="", now=0.0)
+    expired = (f"(Worker pid=2) WARNING 12-05 01:00:00 [base_worker.py:3033] Releasing expired KV blocks for "
+               f"request {reads[0]} which were retrieved by 0 remote worker(s) before lease expired.\n")
+    producer_log.write_text(expired +
+                            f"(EngineCore pid=2) ERROR 12-05 01:00:00 [scheduler.py:1] {incident.INCIDENT_MARK}"
+                            f"{json.dumps(late)}\n"
                             f"(Worker pid=2) ERROR 12-05 01:00:00 [pull_worker.py:667] Potentially invalid KV "
                             f"blocks for unrecognized request {reads[1]} were retrieved by a decode worker. They "
                             f"may have expired.\n")
     rows = incident.attribute([consumer_log.read_text()], [producer_log.read_text()])
     assert [place for _, place in rows] == [incident.RELEASED_BEFORE_READ, incident.NOT_RECHECKED]
+    # The expiry alone does not say the read came after it.
+    assert [place for _, place in incident.attribute([consumer_log.read_text()], [expired])] == [
+        incident.UNKNOWN_RELEASED, incident.NOT_RECHECKED]
     assert incident.where_main(["--consumer", str(consumer_log), "--producer", str(producer_log)]) == 0
     out = capsys.readouterr().out
     assert "2 mismatches: 1 changed on the producer: released before the read, 1 producer not re-checked" in out

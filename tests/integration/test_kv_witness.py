@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_fault_connector import (BLOCK, PROMPT, STUB, bind_plans, create, fault_config, finish, plan_of,
                                   read_records, sides, start_load, worker)  # noqa: F401 (fixtures)
-from pd_harness import make_side, prefill, prompt_of, run_local
+from pd_harness import make_side, prefill, prompt_of, run_local, stats
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from vllm_kvchecksum.drills import fault_connector as fc
@@ -332,6 +332,11 @@ def test_a_load_the_witness_cannot_plan_is_recorded_started_and_skipped(sides, t
     assert out.kv_connector_metadata.witness_loads == {}
     [line] = read_records(path)
     assert line["event"] == "load_started" and line["skipped"].startswith("not an asynchronous load")
+    # Nor does its end say anything of a load the soak does not judge.
+    from vllm.v1.request import RequestStatus
+
+    C.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert [r["event"] for r in read_records(path)] == ["load_started"]
 
 
 def test_control_file_changes_and_removal_restore_the_configs_stall_rate(tmp_path):
@@ -482,3 +487,41 @@ def test_groups_the_checksums_skip_are_not_witnessed(monkeypatch):
              1: SimpleNamespace(skip_reason=None, caches=[cache], state=False)}
     monkeypatch.setattr(fc, "_worker_plans", lambda *args: plans)
     assert fc.witnessed_layers(None, None, {}, 0, 1) == ({1: {cache.name: 0}}, {})
+
+
+def test_a_loads_request_ending_says_whether_its_load_was_judged_first(sides, tmp_path):
+    """The soak excuses a victim only on its own evidence that its request
+    ended before its load could be judged (kvcs_soak/truth.py): one
+    "request_ended" line per witnessed load, load_finished false exactly
+    when the checksum scheduler counted it not_compared{request_ended}."""
+    from pd_harness import load
+    from vllm.v1.request import RequestStatus
+
+    path = tmp_path / "witness.jsonl"
+    C = sides("kv_consumer", faults_cfg={"kinds": [], "rate": 0.0, "witness_path": str(path)})
+    P = sides("kv_producer", faults_cfg={"kinds": [], "rate": 0.0})
+    prompt = prompt_of(PROMPT)
+    counters = C.scheduler.kv_checksum._metrics
+
+    def ended():
+        return [(r["request_id"], r["load_finished"], r["status"]) for r in read_records(path)
+                if r.get("event") == "request_ended"]
+
+    # Ended while its load is in flight: never judged.
+    preq, params = prefill(P, prompt)
+    req, out = start_load(C, preq, params)
+    C.run_workers(out)
+    assert ended() == []
+    C.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert ended() == [(req.request_id, False, "FINISHED_ABORTED")]
+    assert sum(v for k, v in counters.items() if "request_ended" in k) == 1
+    # Ended after its load was judged (verified), whatever ends it.
+    preq, params = prefill(P, prompt_of(PROMPT, seed=1))
+    judged = load(C, P, preq, params).request
+    assert stats(C).get("verified") == 1
+    C.scheduler.finish_requests(judged.request_id, RequestStatus.FINISHED_ABORTED)
+    assert ended()[1:] == [(judged.request_id, True, "FINISHED_ABORTED")]
+    assert sum(v for k, v in counters.items() if "request_ended" in k) == 1
+    # A request without a load writes no such line.
+    run_local(C, prompt[:32])
+    assert len(ended()) == 2

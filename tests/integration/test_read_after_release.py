@@ -287,20 +287,27 @@ def test_the_join_reads_the_producers_late_read_line_as_released_before_the_read
     # The re-check at the lease's expiry found the KV intact: the late read still wins.
     intact = {**late, "verdict": "intact"}
     log = "\n".join(incident.INCIDENT_MARK + incident.json.dumps(r) for r in (intact, late))
-    assert incident.released_requests(log) == {"p-1"}
-    # With NIXL's expiry line for another request, both are released.
+    found = incident.producer_evidence([log])
+    assert found.read_after_release == {("p-1", "P")}
+    # NIXL's expiry line for another request is a release, not a read after it.
     expiry = ("WARNING [base_worker.py:3044] Releasing expired KV blocks for request p-0 which were retrieved by 0 "
               "remote worker(s) before lease expired.")
-    assert incident.released_requests(expiry + "\n" + log) == {"p-0", "p-1"}
+    with_expiry = incident.producer_evidence([expiry + "\n" + log])
+    assert with_expiry.read_after_release == {("p-1", "P")} and with_expiry.expired == {("p-0", "P")}
     # A late read is no re-check: the re-checks stay unambiguous.
-    assert incident.rechecks(log)[("p-1", "P")] == "intact"
+    assert found.rechecked == {("p-1", "P"): "intact"}
     [(_, place)] = incident.attribute([incident.INCIDENT_MARK + incident.json.dumps(consumer_mismatch("p-1"))], [log])
     assert place == incident.RELEASED_BEFORE_READ
     [(_, place)] = incident.attribute([incident.INCIDENT_MARK + incident.json.dumps(consumer_mismatch("p-2"))], [log])
     assert place == incident.NOT_RECHECKED
+    # The expiry alone: the read may have completed before it.
+    [(_, place)] = incident.attribute([incident.INCIDENT_MARK + incident.json.dumps(consumer_mismatch("p-0"))],
+                                      [expiry + "\n" + log])
+    assert place == incident.UNKNOWN_RELEASED
 
 
 def test_a_malformed_late_read_line_is_skipped():
     bad = [{"side": "producer", "verdict": incident.READ_AFTER_RELEASE, "request_id": rid} for rid in (["x"], 7, None)]
     log = "\n".join(incident.INCIDENT_MARK + incident.json.dumps(r) for r in bad)
-    assert incident.released_requests(log) == set()
+    found = incident.producer_evidence([log])
+    assert found.read_after_release == set() and found.attempts == {}

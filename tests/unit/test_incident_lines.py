@@ -56,34 +56,128 @@ EXPIRED = ("WARNING [base_worker.py:3033] Releasing expired KV blocks for reques
            "remote worker(s) before lease expired.\n")
 UNRECOGNIZED = ("ERROR [pull_worker.py:667] Potentially invalid KV blocks for unrecognized request {} were "
                 "retrieved by a decode worker. They may have expired.\n")
+STARTS = "(EngineCore pid=5) INFO [base_scheduler.py:99] Initializing NIXL Scheduler {}\n"
 
 
-def test_where_each_mismatch_happened():
-    released = incident.released_requests(EXPIRED.format("p-1") + UNRECOGNIZED.format("p-1") + EXPIRED.format("p-2")
-                                          + UNRECOGNIZED.format("p-4"))
-    # A notification for a request already freed, with no expiry, is a repeated notification, not a release.
-    assert released == {"p-1", "p-2"}
-    assert incident.where(record(), released) == incident.RELEASED_BEFORE_READ
-    assert incident.where(record(remote_request_id="p-3"), released) == incident.NOT_RECHECKED
-    assert incident.where(record(remote_request_id="p-4"), released) == incident.NOT_RECHECKED
-    # A load that named no producer request is never matched (not even with a None in the set).
-    assert incident.where(record(remote_request_id=None), released | {None}) == incident.NOT_RECHECKED
-    assert incident.where(record(source="offloaded"), released) == incident.OFFLOADED
+def line_of(**changes) -> str:
+    """A producer's incident line (re-check or read after the release) in its log."""
+    return "INFO " + incident.INCIDENT_MARK + json.dumps(producer_line(**changes)) + "\n"
+
+
+def evidence(*logs):
+    return incident.producer_evidence(logs)
+
+
+def test_a_pull_loads_release_is_a_read_after_it_not_the_lease_expiry_alone():
+    """NIXL's lease-expiry line says the blocks were released, not that the
+    read came after: a read that completed first was of intact KV. Only the
+    producer's own read-after-release line says so."""
+    late = line_of(result=incident.READ_AFTER_RELEASE, groups={})
+    for logs, place in [
+            ((EXPIRED.format("p-1"),), incident.UNKNOWN_RELEASED),
+            ((EXPIRED.format("p-1") + line_of(result="intact"),), incident.UNKNOWN_RELEASED),
+            ((EXPIRED.format("p-1") + line_of(result="changed"),), incident.CHANGED_ON_PRODUCER),
+            ((EXPIRED.format("p-1") + line_of(result="intact") + late,), incident.RELEASED_BEFORE_READ),
+            ((late,), incident.RELEASED_BEFORE_READ),
+            # A notification for a request already freed, with no expiry, is a repeated notification.
+            ((UNRECOGNIZED.format("p-1"),), incident.NOT_RECHECKED),
+            ((UNRECOGNIZED.format("p-1") + line_of(result="intact"),), incident.INTACT_ON_PRODUCER)]:
+        assert incident.where(record(remote_engine_id="e"), evidence(*logs)) == place, logs
+        assert incident.where(record(remote_engine_id=None), evidence(*logs)) == place, logs
+    # Another request's lines are not this one's.
+    assert incident.where(record(remote_request_id="p-3"), evidence(EXPIRED.format("p-1"), late)) == \
+        incident.NOT_RECHECKED
+    # A load that named no producer request is never matched.
+    assert incident.where(record(remote_request_id=None), evidence(late)) == incident.NOT_RECHECKED
+    assert incident.where(record(source="offloaded"), evidence(late)) == incident.OFFLOADED
+
+
+def test_a_release_by_another_producer_engine_is_not_this_loads():
+    """Released ids carry no engine: the engine whose log holds the line
+    (its "Initializing NIXL" line, or the one engine its incident lines name)
+    is the one that released it."""
+    e1 = STARTS.format("e1") + EXPIRED.format("p-1") + line_of(result=incident.READ_AFTER_RELEASE, engine_id="e1")
+    e2 = STARTS.format("e2") + line_of(result="intact", engine_id="e2")
+    for logs in ((e1, e2), (e2, e1)):
+        assert incident.where(record(remote_engine_id="e2"), evidence(*logs)) == incident.INTACT_ON_PRODUCER
+        assert incident.where(record(remote_engine_id="e1"), evidence(*logs)) == incident.RELEASED_BEFORE_READ
+        assert incident.where(record(remote_engine_id="e3"), evidence(*logs)) == incident.NOT_RECHECKED
+    # A push load (paired by base id): the expiry of e1's attempt is not the one e2 wrote.
+    push = record(request_id="cmpl-x.1-0-aaaaaaaa", remote_request_id="x.1", carrier="connector",
+                  connector="NixlPushConnector", remote_engine_id="e2")
+    e1 = STARTS.format("e1") + EXPIRED.format("cmpl-x.1-0-11111111")
+    e2 = STARTS.format("e2") + line_of(request_id="cmpl-x.1-0-22222222", result="intact", engine_id="e2")
+    assert incident.where(push, evidence(e1, e2)) == incident.INTACT_ON_PRODUCER
+    assert incident.where(dict(push, remote_engine_id="e1"), evidence(e1, e2)) == incident.RELEASED_BEFORE_READ
+    # Without an "Initializing" line, the one engine the log's incident lines name wrote it.
+    e1 = EXPIRED.format("cmpl-x.1-0-11111111") + line_of(request_id="cmpl-x.0-0-33333333", engine_id="e1")
+    assert incident.where(push, evidence(e1, e2)) == incident.INTACT_ON_PRODUCER
+    # A log that says no engine: whose release it was is unknown.
+    anonymous = EXPIRED.format("cmpl-x.1-0-22222222")
+    assert incident.where(push, evidence(anonymous, e2)) == incident.UNKNOWN_RELEASED
+    # Nor does one whose incident lines name two engines and no "Initializing" line.
+    two = (EXPIRED.format("cmpl-x.1-0-22222222") + line_of(request_id="cmpl-x.0-0-33333333", engine_id="e1")
+           + line_of(request_id="cmpl-x.2-0-44444444", engine_id="e2"))
+    assert incident.where(push, evidence(two, e2)) == incident.UNKNOWN_RELEASED
+    # Two engines' lines interleaved in one log (not one after the other): the order says nothing.
+    mixed = (STARTS.format("e1") + STARTS.format("e2") + EXPIRED.format("cmpl-x.1-0-22222222")
+             + line_of(request_id="cmpl-x.0-0-33333333", engine_id="e1"))
+    assert incident.where(push, evidence(mixed, e2)) == incident.UNKNOWN_RELEASED
+    # A restarted producer: each line is the engine's that started last before it.
+    restarted = (STARTS.format("e1") + EXPIRED.format("cmpl-x.1-0-11111111") + STARTS.format("e2")
+                 + line_of(request_id="cmpl-x.1-0-22222222", result="intact", engine_id="e2"))
+    assert incident.where(push, evidence(restarted)) == incident.INTACT_ON_PRODUCER
+
+
+def test_a_push_retry_is_answered_from_its_own_attempt_or_unknown():
+    """NIXL push pairs a consumer with its producer by X-Request-Id (the base
+    id) alone: a retry under the same id has two producer attempts, and the
+    logs name neither as this load's. Attempt 1's release or re-check is
+    never taken for attempt 2."""
+    push = record(request_id="cmpl-x.1-0-aaaaaaaa", remote_request_id="x.1", carrier="connector",
+                  connector="NixlPushConnector", remote_engine_id="e")
+    first, second = "cmpl-x.1-0-11111111", "cmpl-x.1-0-22222222"
+    # (a) attempt 1 released, attempt 2 (this load's) re-checked intact.
+    log = STARTS.format("e") + EXPIRED.format(first) + line_of(request_id=second, result="intact")
+    assert incident.where(push, evidence(log)) == incident.UNKNOWN_ATTEMPT
+    # (d) attempt 1 intact, attempt 2 not re-checked (its release: the only line of it).
+    log = STARTS.format("e") + line_of(request_id=first, result="intact") + EXPIRED.format(second)
+    assert incident.where(push, evidence(log)) == incident.UNKNOWN_ATTEMPT
+    log = (STARTS.format("e") + line_of(request_id=first, result="intact")
+           + line_of(request_id=second, result="not_rechecked"))
+    assert incident.where(push, evidence(log)) == incident.UNKNOWN_ATTEMPT
+    # One attempt: its own evidence.
+    assert incident.where(push, evidence(STARTS.format("e") + line_of(request_id=second, result="intact"))) == \
+        incident.INTACT_ON_PRODUCER
+    assert incident.where(push, evidence(STARTS.format("e") + EXPIRED.format(second))) == \
+        incident.RELEASED_BEFORE_READ
+    assert incident.where(push, evidence(STARTS.format("e") + line_of(request_id=second, result="not_rechecked"))) \
+        == incident.NOT_RECHECKED
+    # Another engine's attempt of the same id is not one of this engine's.
+    other = STARTS.format("f") + line_of(request_id=first, result="intact", engine_id="f")
+    assert incident.where(push, evidence(other, STARTS.format("e") + line_of(request_id=second, result="intact"))) \
+        == incident.INTACT_ON_PRODUCER
+    # A load that names no engine counts every engine's attempts.
+    assert incident.where(dict(push, remote_engine_id=None), evidence(
+        other, STARTS.format("e") + line_of(request_id=second, result="intact"))) == incident.UNKNOWN_ATTEMPT
 
 
 def test_where_with_the_producers_rechecks():
-    rechecked = {("p-1", "e"): "changed", ("p-2", "e"): "intact", ("p-3", None): "intact",
-                 ("p-5", "e1"): "changed", ("p-5", "e2"): "intact", ("p-6", "e"): "not_rechecked",
-                 ("p-8", "e"): incident.AMBIGUOUS}
+    logs = [line_of(request_id="p-1", engine_id="e", result="changed"),
+            line_of(request_id="p-2", engine_id="e", result="intact"),
+            line_of(request_id="p-3", engine_id=None, result="intact"),
+            line_of(request_id="p-5", engine_id="e1", result="changed"),
+            line_of(request_id="p-5", engine_id="e2", result="intact"),
+            line_of(request_id="p-6", engine_id="e", result="not_rechecked"),
+            line_of(request_id="p-8", engine_id="e", result="changed") + line_of(request_id="p-8", engine_id="e",
+                                                                                result="intact")]
+    found = evidence(*logs)
 
     def at(**changes):
-        return incident.where(record(**{"remote_engine_id": "e", **changes}), set(), rechecked)
+        return incident.where(record(**{"remote_engine_id": "e", **changes}), found)
 
     assert at() == incident.CHANGED_ON_PRODUCER
     assert at(remote_request_id="p-2") == incident.INTACT_ON_PRODUCER
-    # A release before the read comes first: the re-check at the lease's expiry ran before the read.
-    assert incident.where(record(remote_request_id="p-2", remote_engine_id="e"), {"p-2"}, rechecked) == \
-        incident.RELEASED_BEFORE_READ
     # A load that names an engine takes that engine's re-check only: another
     # producer's line for the same request id is not this transfer's.
     assert at(remote_engine_id="eng-p") == incident.NOT_RECHECKED
@@ -93,26 +187,24 @@ def test_where_with_the_producers_rechecks():
     assert at(remote_request_id="p-3", remote_engine_id=None) == incident.INTACT_ON_PRODUCER
     assert at(remote_engine_id=None) == incident.CHANGED_ON_PRODUCER
     # ... and cannot tell two apart.
-    assert at(remote_request_id="p-5", remote_engine_id=None) == incident.NOT_RECHECKED
+    assert at(remote_request_id="p-5", remote_engine_id=None) == incident.UNKNOWN_ATTEMPT
     assert at(remote_request_id="p-6") == incident.NOT_RECHECKED
     assert at(remote_request_id="p-7") == incident.NOT_RECHECKED
-    assert at(remote_request_id="p-8") == incident.NOT_RECHECKED
+    # Two re-checks of one id on one engine that disagree (a reused id): which was this load's is unknown.
+    assert at(remote_request_id="p-8") == incident.UNKNOWN_ATTEMPT
 
 
 def test_two_rechecks_under_one_key_that_disagree_are_ambiguous():
-    def line(verdict, rid="p-1"):
-        return incident.INCIDENT_MARK + json.dumps(incident.producer_record(
-            request_id=rid, transfer_id=None, result=verdict, groups={}, engine_id="e", connector="NixlConnector",
-            carrier="kv_transfer_params", tp_size=1, pp_size=1, block_sizes={0: 16}, reason="", now=0.0))
-
     # A retry of a mismatched request, sent with the same id to the same producer.
-    assert incident.rechecks("\n".join([line("changed"), line("intact")]))[("p-1", "e")] == incident.AMBIGUOUS
-    assert incident.rechecks("\n".join([line("intact"), line("intact")]))[("p-1", "e")] == "intact"
+    assert evidence(line_of(result="changed") + line_of(result="intact")).rechecked[("p-1", "e")] == \
+        incident.AMBIGUOUS
+    assert evidence(line_of(result="intact") + line_of(result="intact")).rechecked[("p-1", "e")] == "intact"
     # The same across two producer logs.
     consumer = incident.INCIDENT_MARK + json.dumps(record(remote_engine_id="e"))
-    [(_, place)] = incident.attribute([consumer], [line("changed"), line("intact")])
-    assert place == incident.NOT_RECHECKED
-    [(_, place)] = incident.attribute([consumer], [line("changed"), line("changed", "p-2")])
+    [(_, place)] = incident.attribute([consumer], [line_of(result="changed"), line_of(result="intact")])
+    assert place == incident.UNKNOWN_ATTEMPT
+    [(_, place)] = incident.attribute([consumer], [line_of(result="changed"), line_of(result="changed",
+                                                                                         request_id="p-2")])
     assert place == incident.CHANGED_ON_PRODUCER
 
 
@@ -120,14 +212,13 @@ def test_a_producer_line_is_found_by_its_transfer_id_too():
     line = incident.producer_record(request_id="p-1-prefill", transfer_id="xfer-1", result="changed",
                                     groups={0: [2]}, engine_id="e", connector="MooncakeConnector", carrier="connector",
                                     tp_size=1, pp_size=1, block_sizes={0: 16}, reason="", now=0.0)
-    text = "INFO " + incident.INCIDENT_MARK + json.dumps(line)
-    found = incident.rechecks(text)
-    assert found[("p-1-prefill", "e")] == found[("xfer-1", "e")] == "changed"
-    # The third key, its base id (NIXL push's pairing), never equals an id.
-    [base] = [k for k, _ in found if k not in ("p-1-prefill", "xfer-1")]
-    assert len(found) == 3 and base.startswith("\x00") and base.endswith("p-1-prefill")
+    found = evidence("INFO " + incident.INCIDENT_MARK + json.dumps(line))
+    assert found.rechecked == {("p-1-prefill", "e"): "changed", ("xfer-1", "e"): "changed"}
+    mooncake = record(request_id="cmpl-c-0-aaaaaaaa", remote_request_id="xfer-1", carrier="connector",
+                      remote_engine_id="e")
+    assert incident.where(mooncake, found) == incident.CHANGED_ON_PRODUCER
     # Consumer lines in a producer's log are not re-checks.
-    assert incident.rechecks(incident.INCIDENT_MARK + json.dumps(record())) == {}
+    assert evidence(incident.INCIDENT_MARK + json.dumps(record())).rechecked == {}
 
 
 def test_attribute_keeps_mismatches_only():
@@ -168,7 +259,8 @@ def test_attribute_joins_every_producers_log():
                                                                     remote_engine_id=None))
                          for p in ("p-1", "p-2", "p-3"))
     producers = [incident.INCIDENT_MARK + json.dumps(producer_line(request_id="p-1", engine_id="e1")),
-                 EXPIRED.format("p-2"),
+                 EXPIRED.format("p-2") + line_of(request_id="p-2", engine_id="e2", groups={},
+                                                 result=incident.READ_AFTER_RELEASE),
                  incident.INCIDENT_MARK + json.dumps(producer_line(request_id="p-3", engine_id="e3", result="intact"))]
     for logs in (producers, producers[::-1]):
         rows = incident.attribute([consumer], logs)
@@ -182,7 +274,7 @@ def test_the_join_tells_two_producers_of_one_request_id_apart_by_engine():
             incident.INCIDENT_MARK + json.dumps(producer_line(request_id="p-5", engine_id="e2", result="intact"))]
     for producers in (logs, logs[::-1]):
         for engine, place in (("e1", incident.CHANGED_ON_PRODUCER), ("e2", incident.INTACT_ON_PRODUCER),
-                              (None, incident.NOT_RECHECKED)):
+                              (None, incident.UNKNOWN_ATTEMPT)):
             consumer = incident.INCIDENT_MARK + json.dumps(record(request_id="c-5", remote_request_id="p-5",
                                                                   remote_engine_id=engine))
             [(_, got)] = incident.attribute([consumer], producers)
@@ -196,20 +288,19 @@ def test_a_push_consumer_is_paired_with_its_producer_by_base_id():
         request_id="cmpl-demo.7.r-0-868a704e", transfer_id=None, result="intact", groups={}, engine_id="P",
         connector="NixlPushConnector", carrier="connector", tp_size=1, pp_size=1, block_sizes={0: 32}, reason="",
         now=0.0)
-    rechecked = incident.rechecks(incident.INCIDENT_MARK + json.dumps(producer))
+    rechecked = evidence(incident.INCIDENT_MARK + json.dumps(producer))
     push = record(request_id="cmpl-demo.7.r-0-a13ad2ab", remote_request_id="demo.7.r", remote_engine_id="P",
                   connector="NixlPushConnector", carrier="connector")
-    assert incident.where(push, set(), rechecked) == incident.INTACT_ON_PRODUCER
+    assert incident.where(push, rechecked) == incident.INTACT_ON_PRODUCER
     # Another request's base, or another producer engine, is not it.
-    assert incident.where(dict(push, request_id="cmpl-demo.8.r-0-a13ad2ab"), set(), rechecked) == \
-        incident.NOT_RECHECKED
-    assert incident.where(dict(push, remote_engine_id="Q"), set(), rechecked) == incident.NOT_RECHECKED
+    assert incident.where(dict(push, request_id="cmpl-demo.8.r-0-a13ad2ab"), rechecked) == incident.NOT_RECHECKED
+    assert incident.where(dict(push, remote_engine_id="Q"), rechecked) == incident.NOT_RECHECKED
     # A pull load names the producer's own id: no pairing by base id there.
-    assert incident.where(dict(push, carrier="kv_transfer_params"), set(), rechecked) == incident.NOT_RECHECKED
+    assert incident.where(dict(push, carrier="kv_transfer_params"), rechecked) == incident.NOT_RECHECKED
     # The push producer's lease ran out before the WRITE landed: its expiry line names its own id.
-    released = incident.released_requests(EXPIRED.format("cmpl-demo.7.r-0-868a704e"))
-    assert incident.where(push, released, rechecked) == incident.RELEASED_BEFORE_READ
-    assert incident.where(dict(push, carrier="kv_transfer_params"), released, rechecked) == incident.NOT_RECHECKED
+    released = evidence(STARTS.format("P") + EXPIRED.format("cmpl-demo.7.r-0-868a704e"))
+    assert incident.where(push, released) == incident.RELEASED_BEFORE_READ
+    assert incident.where(dict(push, carrier="kv_transfer_params"), released) == incident.NOT_RECHECKED
     # The base is vLLM's: only an 8-hex suffix is cut.
     assert incident.base_request_id("cmpl-x-0-868a704e") == "cmpl-x-0"
     assert incident.base_request_id("cmpl-x-0-868a704") == "cmpl-x-0-868a704"

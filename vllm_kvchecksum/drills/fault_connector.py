@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from vllm_kvchecksum.core.blocks import GroupLayout
@@ -251,6 +252,10 @@ class KVChecksumFaultConnector(MultiConnector):
         # Ground truth and stalls: loads started since the last metadata.
         self._witness_records = _RecordLog(self.settings.witness_path)
         self._started: dict[str, tuple[Request, int]] = {}
+        # Loads witnessed started, until their request ends: whether the
+        # connector reported them finished first (so the checksum scheduler
+        # judged them), for the request's "request_ended" line.
+        self._loads_open: dict[str, bool] = {}
         self._stall_rng = random.Random(self.settings.seed ^ 0x5EED)
         self._producer_reqs: dict[str, Request] = {}
         # target "sends": the planned fault of each producer request whose
@@ -426,6 +431,7 @@ class KVChecksumFaultConnector(MultiConnector):
                 remote = remote if isinstance(remote, str) else None
                 if loaded is not None:
                     plans[req_id] = WitnessPlan(loaded[0], loaded[1], remote)
+                    self._loads_open[req_id] = False
                 self._witness_records.write({"side": "scheduler", "event": "load_started", "request_id": req_id,
                                              "remote_request_id": remote, "skipped": skipped,
                                              "num_tokens": loaded[0] if loaded else None, "stall_s": stall_s,
@@ -464,13 +470,42 @@ class KVChecksumFaultConnector(MultiConnector):
     def request_finished(self, request: Request, blocks: list[int]) -> tuple[bool, dict[str, Any] | None]:
         result = super().request_finished(request, blocks)
         self._send_finished(request, result[0])
+        self._load_ended(request)
         return result
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         result = super().request_finished_all_groups(request, block_ids)
         self._send_finished(request, result[0])
+        self._load_ended(request)
         return result
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Forward to the child; note the witnessed loads the step reports
+        finished (or failed): the checksum scheduler judges a load in the
+        same update_from_output that reports it finished."""
+        super().update_connector_output(connector_output)
+        for req_id in (*(connector_output.finished_recving or ()), *(connector_output.failed_recving or ())):
+            if req_id in self._loads_open:
+                self._loads_open[req_id] = True
+
+    def _load_ended(self, request: Request) -> None:
+        """The request of a witnessed load ended: one "request_ended" line
+        saying whether its load was reported finished first. load_finished
+        false: the request ended before the checksum scheduler could judge
+        its load (counted as not_compared{request_ended}), so nobody used
+        that KV. The soak excuses a victim only on this line of its own
+        (kvcs_soak/truth.py)."""
+        finished = self._loads_open.pop(request.request_id, None)
+        if finished is None:
+            return
+        try:
+            self._witness_records.write({"side": "scheduler", "event": "request_ended",
+                                         "request_id": request.request_id, "load_finished": finished,
+                                         "status": getattr(request.status, "name", str(request.status)),
+                                         "time": time.time(), "pid": os.getpid()})
+        except Exception:
+            logger.exception("KV checksum drill: the ground truth of request %s's end failed.", request.request_id)
 
     def _send_finished(self, request: Request, delay_free: bool) -> None:
         """A producer request finished: its planned send fault goes to the
