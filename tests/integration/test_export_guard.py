@@ -300,3 +300,110 @@ def test_a_sync_loads_blocks_are_not_stored_before_its_verdict(corrupt, batch_qu
         assert stored == [], (stored, loaded)
     else:
         assert len(stored) == LONGER // BS and stored[:len(loaded)] == loaded, (stored, loaded)
+
+
+def _sync_side(*, entries=(0,), **kw):
+    """kv_both, fail-open: MultiConnector[a store loading synchronously, vLLM's OffloadingConnector]."""
+    B = make_side("kv_both", connector="MultiConnector", connector_extra={"connectors": [HOST_CHILD, OFFLOADING]},
+                  **kw)
+    for w in B.workers:
+        w.checksums.init_block_checksums(entries)
+    host_connector(B).load_async = False
+    return B
+
+
+def _sync_load_run(B, req):
+    """The request loads synchronously in its first step, then runs to its end; (outs, that step's output)."""
+    outs = _recording(B)
+    B.scheduler.add_request(req)
+    computed = forward_of(B, req)
+
+    def forward(out):
+        perform_loads(B)
+        computed(out)
+
+    out_n, _ = B.step(forward=forward)
+    for _ in range(8):
+        if req.is_finished():
+            break
+        B.step(forward=computed)
+    return outs, out_n
+
+
+def _held_from(req):
+    return getattr(req, "kv_checksum_exports_held_from", None)
+
+
+@pytest.mark.parametrize("case", ["no_entries_kept", "unverified", "tier_without_checksums"])
+def test_a_sync_load_that_is_not_failed_leaves_its_request_free_to_export(case, logs, monkeypatch):
+    """A synchronous load judged unverified under fail-open, or never checked
+    (no worker keeps entries of its group; a tier that brings no checksums
+    back, never held at all), does not keep the request's KV from the store:
+    as for the prefix cache, nothing says which block is bad. All 7 full
+    blocks are stored."""
+    store_prompt(make_offload_side(), prompt_of(PROMPT))
+    B = _sync_side(entries=() if case == "no_entries_kept" else (0,))
+    if case == "unverified":
+        # The comparison raising is one way to an unverified verdict.
+        from vllm_kvchecksum.engine import scheduler as checksum_scheduler
+
+        def raising(*args, **kwargs):
+            raise RuntimeError("a comparison that fails")
+        monkeypatch.setattr(checksum_scheduler, "compare_offloaded", raising)
+    if case == "tier_without_checksums":
+        host_connector(B).sources = set()
+    req = make_request(prompt_of(LONGER), block_size=BS, max_tokens=6)
+    outs, out_n = _sync_load_run(B, req)
+    scheduled = out_n.kv_checksum_scheduled
+    assert (scheduled is not None and req.request_id in scheduled.reqs_loaded) == (case != "tier_without_checksums")
+    assert stats(B) == ({"unverified": 1, "offloaded_unverified": 1} if case == "unverified" else {}), logs.text
+    assert _held_from(req) is None
+    assert len(_stored_blocks(outs, req)) == LONGER // BS
+
+
+def test_a_sync_load_of_several_groups_is_not_checked_nor_held(logs):
+    """With two KV cache groups (a sliding-window model) synchronous loads are
+    not checked (vLLM rolls back one group only): no verdict will come, so
+    no hold either; the connector stores as it would without checksums."""
+    B = make_side("kv_both", connector="MultiConnector", connector_extra={"connectors": [HOST_CHILD, OFFLOADING]},
+                  sliding_window=48)
+    for w in B.workers:
+        w.checksums.init_block_checksums((0, 1))
+    host_connector(B).load_async = False
+    A = make_offload_side(sliding_window=48, covered=(0, 1))
+    store_prompt(A, prompt_of(PROMPT))
+    req = make_request(prompt_of(LONGER), block_size=BS, max_tokens=6)
+    outs, out_n = _sync_load_run(B, req)
+    assert B.reported_metrics.get("offloaded_loads_not_checked/sync_load") == 1, logs.text
+    assert _held_from(req) is None
+    assert _stored_blocks(outs[:1], req), "the step that loaded stored nothing"
+
+
+def test_the_earliest_hold_of_a_request_holds_until_released():
+    from vllm_kvchecksum.engine.export_guard import exportable_tokens, hold_exports, release_exports
+    req = SimpleNamespace()
+    assert exportable_tokens(req, 100) == 100
+    hold_exports(req, 32)
+    hold_exports(req, 16)
+    hold_exports(req, 48)
+    assert exportable_tokens(req, 100) == 16 and exportable_tokens(req, 10) == 10
+    release_exports(req)
+    assert exportable_tokens(req, 100) == 100
+
+
+def test_a_verdict_leaves_the_hold_while_another_load_of_the_request_waits(logs):
+    """Two synchronous loads of one request waiting at once (steps 5 and 6;
+    with pipeline parallelism the batch queue holds several steps): the
+    first verdict leaves the request held, the second releases it. (The
+    scheduler's pending loads are set by the test.)"""
+    from vllm_kvchecksum.engine.export_guard import exportable_tokens, hold_exports
+    B = _sync_side()
+    checksums = B.scheduler.kv_checksum
+    req = SimpleNamespace(request_id="r")
+    hold_exports(req, 16)
+    checksums._sync = {step: {"r": SimpleNamespace(request=req, held={}, records=[], ended=False)} for step in (5, 6)}
+    checksums._judge = lambda rid, pending: None  # not checked: a load that does not fail
+    checksums.verify_sync_loads(SimpleNamespace(step=5))
+    assert exportable_tokens(req, 100) == 16
+    checksums.verify_sync_loads(SimpleNamespace(step=6))
+    assert exportable_tokens(req, 100) == 100
