@@ -336,6 +336,7 @@ def test_a_load_the_witness_cannot_plan_is_recorded_started_and_skipped(sides, t
     from vllm.v1.request import RequestStatus
 
     C.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    C.scheduler.schedule()
     assert [r["event"] for r in read_records(path)] == ["load_started"]
 
 
@@ -493,35 +494,46 @@ def test_a_loads_request_ending_says_whether_its_load_was_judged_first(sides, tm
     """The soak excuses a victim only on its own evidence that its request
     ended before its load could be judged (kvcs_soak/truth.py): one
     "request_ended" line per witnessed load, load_finished false exactly
-    when the checksum scheduler counted it not_compared{request_ended}."""
+    when the checksum scheduler counted it not_compared{request_ended}, also
+    for a request its failed check ends in the step that reports its load
+    (before the connector hears of that step)."""
     from pd_harness import load
     from vllm.v1.request import RequestStatus
 
     path = tmp_path / "witness.jsonl"
-    C = sides("kv_consumer", faults_cfg={"kinds": [], "rate": 0.0, "witness_path": str(path)})
+    C = sides("kv_consumer", faults_cfg={"kinds": [], "rate": 0.0, "witness_path": str(path)}, fail_closed=True,
+              policy="fail")
     P = sides("kv_producer", faults_cfg={"kinds": [], "rate": 0.0})
-    prompt = prompt_of(PROMPT)
     counters = C.scheduler.kv_checksum._metrics
 
     def ended():
-        return [(r["request_id"], r["load_finished"], r["status"]) for r in read_records(path)
-                if r.get("event") == "request_ended"]
+        return {r["request_id"]: (r["load_finished"], r["status"]) for r in read_records(path)
+                if r.get("event") == "request_ended"}
 
-    # Ended while its load is in flight: never judged.
-    preq, params = prefill(P, prompt)
-    req, out = start_load(C, preq, params)
+    def ended_unjudged():
+        return sum(v for k, v in counters.items() if "request_ended" in k)
+
+    # Ended (its client hung up) while its load is in flight: never judged.
+    # Written when the next step is scheduled: no step reported the load.
+    preq, params = prefill(P, prompt_of(PROMPT))
+    aborted, out = start_load(C, preq, params)
     C.run_workers(out)
-    assert ended() == []
-    C.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
-    assert ended() == [(req.request_id, False, "FINISHED_ABORTED")]
-    assert sum(v for k, v in counters.items() if "request_ended" in k) == 1
+    C.scheduler.finish_requests(aborted.request_id, RequestStatus.FINISHED_ABORTED)
+    C.scheduler.schedule()
+    assert ended() == {aborted.request_id: (False, "FINISHED_ABORTED")} and ended_unjudged() == 1
     # Ended after its load was judged (verified), whatever ends it.
     preq, params = prefill(P, prompt_of(PROMPT, seed=1))
-    judged = load(C, P, preq, params).request
+    verified = load(C, P, preq, params).request
     assert stats(C).get("verified") == 1
-    C.scheduler.finish_requests(judged.request_id, RequestStatus.FINISHED_ABORTED)
-    assert ended()[1:] == [(judged.request_id, True, "FINISHED_ABORTED")]
-    assert sum(v for k, v in counters.items() if "request_ended" in k) == 1
+    C.scheduler.finish_requests(verified.request_id, RequestStatus.FINISHED_ABORTED)
+    assert ended()[verified.request_id] == (True, "FINISHED_ABORTED")
+    # Ended by its own verdict (a mismatch under fail-closed), in the step
+    # that reported the load: judged.
+    preq, params = prefill(P, prompt_of(PROMPT, seed=2))
+    failed = load(C, P, preq, params, tamper=lambda req: C.corrupt(req.request_id, position=2)).request
+    assert stats(C).get("mismatch") == 1
+    assert ended()[failed.request_id] == (True, "FINISHED_ERROR")
+    assert ended_unjudged() == 1
     # A request without a load writes no such line.
-    run_local(C, prompt[:32])
-    assert len(ended()) == 2
+    run_local(C, prompt_of(PROMPT)[:32])
+    assert len(ended()) == 3

@@ -252,10 +252,13 @@ class KVChecksumFaultConnector(MultiConnector):
         # Ground truth and stalls: loads started since the last metadata.
         self._witness_records = _RecordLog(self.settings.witness_path)
         self._started: dict[str, tuple[Request, int]] = {}
-        # Loads witnessed started, until their request ends: whether the
-        # connector reported them finished first (so the checksum scheduler
-        # judged them), for the request's "request_ended" line.
+        # Loads witnessed started, until their request ends: whether a step
+        # reported them finished (or failed) yet, for the request's
+        # "request_ended" line; and the requests that ended with theirs not
+        # reported yet, until it is known whether the step that ends them
+        # reports it (_load_ended).
         self._loads_open: dict[str, bool] = {}
+        self._ended_open: dict[str, Request] = {}
         self._stall_rng = random.Random(self.settings.seed ^ 0x5EED)
         self._producer_reqs: dict[str, Request] = {}
         # target "sends": the planned fault of each producer request whose
@@ -389,6 +392,9 @@ class KVChecksumFaultConnector(MultiConnector):
         update_state_after_alloc of the step.
         """
         child = super().build_connector_meta(scheduler_output)
+        # Requests that ended since the last step's update (a client's hang-up):
+        # no step reported their loads finished, so none was judged.
+        self._write_ended(finished=set())
         plans = {}
         decided, self._decided = self._decided, {}
         for req_id, pending in decided.items():
@@ -482,26 +488,43 @@ class KVChecksumFaultConnector(MultiConnector):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Forward to the child; note the witnessed loads the step reports
-        finished (or failed): the checksum scheduler judges a load in the
-        same update_from_output that reports it finished."""
+        finished (or failed), and write the lines of the requests that ended
+        in this update before the connector heard of it (_load_ended)."""
         super().update_connector_output(connector_output)
-        for req_id in (*(connector_output.finished_recving or ()), *(connector_output.failed_recving or ())):
+        finished = {*(connector_output.finished_recving or ()), *(connector_output.failed_recving or ())}
+        for req_id in finished:
             if req_id in self._loads_open:
                 self._loads_open[req_id] = True
+        self._write_ended(finished)
 
     def _load_ended(self, request: Request) -> None:
         """The request of a witnessed load ended: one "request_ended" line
-        saying whether its load was reported finished first. load_finished
-        false: the request ended before the checksum scheduler could judge
-        its load (counted as not_compared{request_ended}), so nobody used
-        that KV. The soak excuses a victim only on this line of its own
-        (kvcs_soak/truth.py)."""
+        saying whether a step reported its load finished (or failed) before it
+        ended. The scheduler judges a step's finished loads before it tells
+        the connector, and may end a request there (its check failed under
+        fail-closed): such a request waits for that step's update_connector_output.
+        One that ends between steps (its client hung up) with its load not
+        reported is written false at the next build_connector_meta: its
+        request ended before the checksum scheduler could judge the load
+        (counted as not_compared{request_ended}), so nobody used that KV. The
+        soak excuses a victim only on this line of its own (kvcs_soak/truth.py)."""
         finished = self._loads_open.pop(request.request_id, None)
         if finished is None:
             return
+        if finished:
+            self._write_ended_line(request, True)
+        else:
+            self._ended_open[request.request_id] = request
+
+    def _write_ended(self, finished: set[str]) -> None:
+        ended, self._ended_open = self._ended_open, {}
+        for req_id, request in ended.items():
+            self._write_ended_line(request, req_id in finished)
+
+    def _write_ended_line(self, request: Request, load_finished: bool) -> None:
         try:
             self._witness_records.write({"side": "scheduler", "event": "request_ended",
-                                         "request_id": request.request_id, "load_finished": finished,
+                                         "request_id": request.request_id, "load_finished": load_finished,
                                          "status": getattr(request.status, "name", str(request.status)),
                                          "time": time.time(), "pid": os.getpid()})
         except Exception:
