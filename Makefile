@@ -1,5 +1,5 @@
 # vllm-kvchecksum: the patch series against vLLM v0.32.0 and its workbench.
-# `make help` lists the targets; the README explains each.
+# `make help` lists the targets; docs/workbench.md explains each.
 
 VLLM_DEVICE ?= cpu
 VLLM_VERSION ?= 0.34.0
