@@ -631,7 +631,9 @@ def build_report(args, setups, results, hostile, ttft, startup, wall, errors=Non
 
 # The table's short names of incident.where's answers.
 WHERE_SHORT = {incident.CHANGED_ON_PRODUCER: "changed on P", incident.RELEASED_BEFORE_READ: "released on P",
-               incident.INTACT_ON_PRODUCER: "intact on P", incident.NOT_RECHECKED: "P not re-checked"}
+               incident.INTACT_ON_PRODUCER: "intact on P", incident.NOT_RECHECKED: "P not re-checked",
+               incident.UNKNOWN_ATTEMPT: "unknown (attempts)", incident.UNKNOWN_RELEASED: "unknown (released)",
+               incident.WRONG_REQUEST: "another request's KV"}
 
 
 def where_column(injections: list[dict]) -> str:
@@ -660,7 +662,9 @@ TABLE_LEGEND = (
     "policy fail returns none: 0/0; fail-open returns the output of the bad KV).",
     "where: where each mismatch happened, from both servers' incident lines: \"intact on P\" (the producer's "
     "re-check found its KV as sent: the fault was on the way or on the consumer), \"changed on P\" (the KV changed "
-    "on the producer before its transfer completed).",
+    "on the producer before its transfer completed), \"released on P\" (read after the producer released it), "
+    "\"P not re-checked\", \"unknown (attempts)\" / \"unknown (released)\" (the producer's logs cannot tell), "
+    "\"another request's KV\".",
     "positions: gG:[block positions] of KV cache group G, as the consumer reported them / as the fault connector "
     "injected them.",
 )

@@ -1233,6 +1233,13 @@ def test_where_column_counts_mismatches_only():
     assert demo.where_column([{"verdict": "mismatch", "where": incident.INTACT_ON_PRODUCER},
                               {"verdict": "verified", "where": None},
                               {"verdict": "mismatch", "where": None}]) == "1 intact on P, 1 no line"
+    # Every answer of the join has its short name in the table.
+    answers = [incident.RELEASED_BEFORE_READ, incident.CHANGED_ON_PRODUCER, incident.INTACT_ON_PRODUCER,
+               incident.NOT_RECHECKED, incident.UNKNOWN_ATTEMPT, incident.UNKNOWN_RELEASED, incident.WRONG_REQUEST]
+    for answer in answers:
+        column = demo.where_column([{"verdict": "mismatch", "where": answer}])
+        assert column.startswith("1 ") and len(column) < 25, column
+        assert column[2:] in demo.TABLE_LEGEND[-2], column
 
 
 def test_join_more_producer_flip_and_recheck_cases(tmp_path, monkeypatch):
