@@ -534,6 +534,20 @@ def test_a_loads_request_ending_says_whether_its_load_was_judged_first(sides, tm
     assert stats(C).get("mismatch") == 1
     assert ended()[failed.request_id] == (True, "FINISHED_ERROR")
     assert ended_unjudged() == 1
+    # Ended (its client hung up) after the workers finished its load, before
+    # that step's update (the batch queue full: no step is scheduled between):
+    # the checksum scheduler dropped it unjudged, though the update reports it.
+    preq, params = prefill(P, prompt_of(PROMPT, seed=3))
+    late, out = start_load(C, preq, params)
+    C.run_workers(out)
+    out = C.scheduler.schedule()
+    merged = C.run_workers(out, finished_recving={late.request_id})
+    C.scheduler.finish_requests(late.request_id, RequestStatus.FINISHED_ABORTED)
+    C.update(out, merged)
+    assert ended()[late.request_id] == (False, "FINISHED_ABORTED")
+    # (The update took the step's counts: they are in what it reported.)
+    assert sum(v for k, v in C.reported_metrics.items() if "request_ended" in k) == 2
+    assert stats(C).get("verified") == 1
     # A request without a load writes no such line.
     run_local(C, prompt_of(PROMPT)[:32])
-    assert len(ended()) == 3
+    assert len(ended()) == 4

@@ -513,6 +513,12 @@ class KVChecksumFaultConnector(MultiConnector):
             return
         if finished:
             self._write_ended_line(request, True)
+        elif getattr(request.status, "name", None) == "FINISHED_ABORTED":
+            # Aborted (its client hung up) between steps, never inside an
+            # update: the checksum scheduler dropped the load unjudged, even
+            # when the next update reports it finished (the batch queue full,
+            # no step scheduled before that update).
+            self._write_ended_line(request, False)
         else:
             self._ended_open[request.request_id] = request
 
