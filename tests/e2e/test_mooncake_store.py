@@ -257,7 +257,15 @@ def test_corrupted_store_value_is_caught_removed_and_recomputed(master, tmp_path
         again_on_a = a.generate([reused_prompt])
         assert again_on_a["cached"] == [bad * BLOCK], a.log()[-4000:]
         assert again_on_a["outputs"] == third["outputs"]
-        _wait_for(lambda: reused_victim in master.keys(), "A to store the recomputed block")
+        try:
+            _wait_for(lambda: reused_victim in master.keys(), "A to store the recomputed block")
+        except AssertionError:
+            # A put that failed in Mooncake's transfer (TRANSFER_FAIL, seen once
+            # on a quiet machine) is A's worker's warning, not a kept-out block:
+            # serving the prompt again puts the missing key again.
+            assert "batch_put failed" in a.log(), a.log()[-4000:]
+            a.generate([reused_prompt])
+            _wait_for(lambda: reused_victim in master.keys(), "A to store the recomputed block, once more")
         assert bytes(store.get(reused_victim)) != corrupted
     finally:
         (tmp_path / "engine-a.log").write_text(a.log())
