@@ -6,7 +6,7 @@
 repository's vllm_kvchecksum; here the clone is taken off it, and a server
 imports vLLM and vllm_kvchecksum from the environment of --python: the
 patched vLLM wheel and the helper wheel that `make wheels` built
-(tests/e2e/test_wheels.py installs them into build/wheel-venv). The demo's
+(tests/e2e/test_wheel_venv.py installs them into build/wheel-venv). The demo's
 CPU site hook (kvcs_demo/cpu_site: NIXL's idle polling turned down) stays.
 Everything else is the demo as `make demo` runs it.
 """
