@@ -6,12 +6,31 @@ so `vllm-kvchecksum apply` needs nothing but the wheel. An editable install
 (`make setup`) copies nothing: the package then reads the clone's patches/.
 """
 
+import hashlib
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
+BASE_VERSION = "0.1.0"
+
+
+def series_names() -> list[str]:
+    series = HERE / "patches" / "series"
+    if not series.is_file():
+        raise SystemExit(f"{series} is missing: build the wheel from a clone of vllm-kvchecksum (make wheels)")
+    names = [line.split("#", 1)[0].strip() for line in series.read_text().splitlines()]
+    return [n for n in names if n]
+
+
+def version() -> str:
+    """BASE_VERSION+kvchecksum.s<12 hex digits>: the series' digest as vllm_kvchecksum.install.series
+    computes it (names and bytes, in order), so the helper and the patched vLLM wheel carry one label."""
+    h = hashlib.sha256()
+    for name in series_names():
+        h.update(name.encode() + b"\0" + (HERE / "patches" / name).read_bytes() + b"\0")
+    return f"{BASE_VERSION}+kvchecksum.s{h.hexdigest()[:12]}"
 
 
 class BuildPyWithSeries(build_py):
@@ -21,10 +40,7 @@ class BuildPyWithSeries(build_py):
             return
         src = HERE / "patches"
         series = src / "series"
-        if not series.is_file():
-            raise SystemExit(f"{series} is missing: build the wheel from a clone of vllm-kvchecksum (make wheels)")
-        names = [line.split("#", 1)[0].strip() for line in series.read_text().splitlines()]
-        names = [n for n in names if n]
+        names = series_names()
         dest = Path(self.build_lib) / "vllm_kvchecksum" / "install" / "patches"
         dest.mkdir(parents=True, exist_ok=True)
         for old in dest.iterdir():
@@ -35,4 +51,4 @@ class BuildPyWithSeries(build_py):
             (dest / name).write_bytes((src / name).read_bytes())
 
 
-setup(cmdclass={"build_py": BuildPyWithSeries})
+setup(version=version(), cmdclass={"build_py": BuildPyWithSeries})

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -53,12 +52,9 @@ def log(msg: str) -> None:
     print(f"[wheels] {msg}", flush=True)
 
 
-def helper_version() -> str:
-    text = (ROOT / "pyproject.toml").read_text()
-    match = re.search(r'^\[project\][^\[]*?^version = "([^"]+)"', text, re.M | re.S)
-    if not match:
-        raise SystemExit("pyproject.toml: no version in [project]")
-    return match.group(1)
+def helper_version(helper_wheel: Path) -> str:
+    """The version of a built helper wheel (its file name: name-version-tags.whl)."""
+    return helper_wheel.name.split("-")[1]
 
 
 def _build_isolation_flag() -> list[str]:
@@ -157,7 +153,11 @@ def main(argv=None) -> int:
 
     t1 = time.monotonic()
     release = (args.release_wheel or release_wheel(dist, series_mod.BASE_VERSION)).resolve()
-    patched = wheel_mod.patch_wheel(release, out, series, f"vllm-kvchecksum=={helper_version()}")
+    version = helper_version(helper)
+    if not version.endswith("+" + series.local_version):
+        raise SystemExit(f"{helper.name}: its version {version} does not carry the series' label "
+                         f"{series.local_version} (setup.py and vllm_kvchecksum/install/series.py disagree)")
+    patched = wheel_mod.patch_wheel(release, out, series, f"vllm-kvchecksum=={version}")
     t2 = time.monotonic()
     summary = wheel_mod.verify_wheel(patched)
     sos = compiled_unchanged(release, patched)

@@ -40,6 +40,17 @@ def test_the_helper_wheel_ships_the_series_byte_for_byte(helper_wheel):
         len(default_series().patches) + 1
 
 
+def test_the_helper_version_carries_the_series_label_the_patched_wheel_pins(helper_wheel):
+    """The helper's version is 0.1.0+<the series' label>, the patched vLLM's label: a patched
+    vLLM requires exactly its own series' helper, so pip installs a new helper with a new series
+    and `pip check` names a helper of another one."""
+    version = build_wheels.helper_version(helper_wheel)
+    assert version == "0.1.0+" + default_series().local_version
+    with zipfile.ZipFile(helper_wheel) as zf:
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert f"\nVersion: {version}\n" in meta
+
+
 def test_a_shipped_series_that_differs_from_patches_is_found(helper_wheel, tmp_path):
     # The same wheel with one shipped patch changed by a byte, and one left out.
     series = default_series()
