@@ -236,6 +236,18 @@ def load_prompt(side: Side, prompt: list[int], *, tamper=None, max_tokens: int =
     return Loaded(req, outputs, out.num_scheduled_tokens.get(req.request_id, 0), list(host_connector(side).failures))
 
 
+def loading_forward(side: Side, req):
+    """The forward of a step that loads synchronously: the connector's loads
+    first (perform_loads), then what the step computes of `req`."""
+    computed = forward_of(side, req)
+
+    def forward(out):
+        perform_loads(side)
+        computed(out)
+
+    return forward
+
+
 def load_prompt_sync(side: Side, prompt: list[int], *, max_tokens: int = 2):
     """Load a prompt's KV synchronously: the step that schedules it loads it
     (before its forward) and uses it; the request, and that step's engine
@@ -243,11 +255,5 @@ def load_prompt_sync(side: Side, prompt: list[int], *, max_tokens: int = 2):
     host_connector(side).load_async = False
     req = make_request(prompt, block_size=side.block_size, max_tokens=max_tokens)
     side.scheduler.add_request(req)
-    computed = forward_of(side, req)
-
-    def forward(out):
-        perform_loads(side)
-        computed(out)
-
-    out, outputs = side.step(forward=forward)
+    out, outputs = side.step(forward=loading_forward(side, req))
     return req, outputs, out

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 
 from offload_harness import (STORE, corrupt_store_kv, empty_store, host_connector,  # noqa: F401 (fixture)
-                             load_prompt, make_offload_side, offload, perform_loads, store_prompt)
+                             load_prompt, loading_forward, make_offload_side, offload, perform_loads, store_prompt)
 from pd_harness import forward_of, load, make_request, make_side, prefill, prompt_of, stats
 from vllm_kvchecksum.core.payload import KVChecksumPayload
 
@@ -237,6 +237,16 @@ HOST_CHILD = dict(kv_connector="HostOffloadConnector", kv_connector_module_path=
 LONGER = PROMPT + 2 * BS  # the stored prefix's 5 full blocks, then blocks the request computes on them
 
 
+def _sync_side(*, entries=(0,), **kw):
+    """kv_both, fail-open: MultiConnector[a store loading synchronously, vLLM's OffloadingConnector]."""
+    B = make_side("kv_both", connector="MultiConnector", connector_extra={"connectors": [HOST_CHILD, OFFLOADING]},
+                  **kw)
+    for w in B.workers:
+        w.checksums.init_block_checksums(entries)
+    host_connector(B).load_async = False
+    return B
+
+
 def _stored_blocks(outs, req) -> list[int]:
     """The block ids vLLM's OffloadingConnector (the second child) stored of `req`, in order."""
     return [int(b) for out in outs for job in out.kv_connector_metadata.metadata[1].store_jobs.values()
@@ -258,22 +268,13 @@ def test_a_sync_loads_blocks_are_not_stored_before_its_verdict(corrupt, batch_qu
     hashes = store_prompt(A, prompt_of(PROMPT))
     if corrupt:
         corrupt_store_kv(hashes, BAD)
-    B = make_side("kv_both", connector="MultiConnector", connector_extra={"connectors": [HOST_CHILD, OFFLOADING]},
-                  batch_queue=batch_queue)
-    for w in B.workers:
-        w.checksums.init_block_checksums((0,))
-    host_connector(B).load_async = False
+    B = _sync_side(batch_queue=batch_queue)
     outs = _recording(B)
     req = make_request(prompt_of(LONGER), block_size=BS, max_tokens=6)
     B.scheduler.add_request(req)
     computed = forward_of(B, req)
-
-    def forward(out):
-        perform_loads(B)
-        computed(out)
-
     out_n = B.scheduler.schedule()
-    forward(out_n)
+    loading_forward(B, req)(out_n)
     merged_n = B.run_workers(out_n)
     assert req.request_id in out_n.kv_checksum_scheduled.reqs_loaded
     before_verdict = 1
@@ -302,27 +303,12 @@ def test_a_sync_loads_blocks_are_not_stored_before_its_verdict(corrupt, batch_qu
         assert len(stored) == LONGER // BS and stored[:len(loaded)] == loaded, (stored, loaded)
 
 
-def _sync_side(*, entries=(0,), **kw):
-    """kv_both, fail-open: MultiConnector[a store loading synchronously, vLLM's OffloadingConnector]."""
-    B = make_side("kv_both", connector="MultiConnector", connector_extra={"connectors": [HOST_CHILD, OFFLOADING]},
-                  **kw)
-    for w in B.workers:
-        w.checksums.init_block_checksums(entries)
-    host_connector(B).load_async = False
-    return B
-
-
 def _sync_load_run(B, req):
     """The request loads synchronously in its first step, then runs to its end; (outs, that step's output)."""
     outs = _recording(B)
     B.scheduler.add_request(req)
+    out_n, _ = B.step(forward=loading_forward(B, req))
     computed = forward_of(B, req)
-
-    def forward(out):
-        perform_loads(B)
-        computed(out)
-
-    out_n, _ = B.step(forward=forward)
     for _ in range(8):
         if req.is_finished():
             break
@@ -365,11 +351,7 @@ def test_a_sync_load_of_several_groups_is_not_checked_nor_held(logs):
     """With two KV cache groups (a sliding-window model) synchronous loads are
     not checked (vLLM rolls back one group only): no verdict will come, so
     no hold either; the connector stores as it would without checksums."""
-    B = make_side("kv_both", connector="MultiConnector", connector_extra={"connectors": [HOST_CHILD, OFFLOADING]},
-                  sliding_window=48)
-    for w in B.workers:
-        w.checksums.init_block_checksums((0, 1))
-    host_connector(B).load_async = False
+    B = _sync_side(entries=(0, 1), sliding_window=48)
     A = make_offload_side(sliding_window=48, covered=(0, 1))
     store_prompt(A, prompt_of(PROMPT))
     req = make_request(prompt_of(LONGER), block_size=BS, max_tokens=6)

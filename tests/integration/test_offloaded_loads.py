@@ -15,7 +15,7 @@ import torch
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 from offload_harness import (STORE, corrupt_store_kv, empty_store, host_connector, load_prompt,  # noqa: F401 (fixture)
-                             load_prompt_sync, make_offload_side, perform_loads, store_prompt)
+                             load_prompt_sync, loading_forward, make_offload_side, perform_loads, store_prompt)
 from pd_harness import (ReportingConnector, forward_of, load, make_config, make_request, make_side, prompt_of, runner_step,
                         series_lacks_first_bad_block_rollback,
                         stats)
@@ -544,13 +544,7 @@ def test_producer_request_loaded_back_synchronously_keeps_its_records_apart(batc
     host_connector(P).load_async = False
     req = make_request(prompt, remote_decode=True, block_size=BS)
     P.scheduler.add_request(req)
-    compute = forward_of(P, req)
-
-    def forward(out):
-        perform_loads(P)
-        compute(out)
-
-    out, outputs = P.step(forward=forward)
+    out, outputs = P.step(forward=loading_forward(P, req))
     scheduled = out.kv_checksum_scheduled
     assert req.request_id in scheduled.reqs_loaded and req.request_id in scheduled.reqs_to_send
     assert stats(P) == {"verified": 1, "offloaded_verified": 1, "sent": 1}, logs.text
