@@ -392,8 +392,9 @@ class KVChecksumFaultConnector(MultiConnector):
         update_state_after_alloc of the step.
         """
         child = super().build_connector_meta(scheduler_output)
-        # Requests that ended since the last step's update (a client's hang-up):
-        # no step reported their loads finished, so none was judged.
+        # Requests that ended outside an update since the last one, other
+        # than by an abort (written at once): no step reported their loads
+        # finished, so none was judged.
         self._write_ended(finished=set())
         plans = {}
         decided, self._decided = self._decided, {}
@@ -503,11 +504,13 @@ class KVChecksumFaultConnector(MultiConnector):
         ended. The scheduler judges a step's finished loads before it tells
         the connector, and may end a request there (its check failed under
         fail-closed): such a request waits for that step's update_connector_output.
-        One that ends between steps (its client hung up) with its load not
-        reported is written false at the next build_connector_meta: its
-        request ended before the checksum scheduler could judge the load
-        (counted as not_compared{request_ended}), so nobody used that KV. The
-        soak excuses a victim only on this line of its own (kvcs_soak/truth.py)."""
+        One aborted (its client hung up: between steps) with its load not
+        reported is written false at once, even if the next update reports
+        the load: its request ended before the checksum scheduler could judge
+        the load (counted as not_compared{request_ended}), so nobody used that
+        KV. Any other end outside an update is written false at the next
+        build_connector_meta. The soak excuses a victim only on this line of
+        its own (kvcs_soak/truth.py)."""
         finished = self._loads_open.pop(request.request_id, None)
         if finished is None:
             return
