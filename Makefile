@@ -12,13 +12,16 @@ SOAK_ARGS ?=
 PY := .venv/bin/python
 WORKBENCH := cd scripts && ../$(PY) -m workbench
 
-.PHONY: help demo soak rollback setup test test-unit test-e2e test-upstream apply unapply wheels refresh check-series rebase-check bench clean
+.PHONY: help demo soak rollback setup setup-0.34 test test-unit test-e2e test-upstream test-upstream-0.34 apply unapply wheels refresh check-series rebase-check bench clean
 
 help: ## list the targets
-	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
+	@grep -E '^[a-z0-9.-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
 
 setup: ## build .venv: vLLM v0.32.0 + series in build/vllm, importable (VLLM_DEVICE=cpu|cuda)
 	VLLM_DEVICE=$(VLLM_DEVICE) FORCE=$(FORCE) ci/setup.sh
+
+setup-0.34: ## build/venv-0.34.0: vLLM 0.34.0 from the package index, for its scheduler/connector tests (no engine)
+	ci/setup-0.34.sh
 
 demo: setup ## real P/D servers catching injected KV faults: table + build/demo/report.json (DEMO_ARGS=--help)
 	PYTHONPATH=scripts $(PY) -m kvcs_demo --device $(VLLM_DEVICE) $(if $(MODEL),--model $(MODEL)) $(DEMO_ARGS)
@@ -40,6 +43,10 @@ test-e2e: setup ## the end-to-end test alone: a short make demo on real servers
 
 test-upstream: setup ## the upstream regression gate alone
 	$(WORKBENCH) upstream --jobs 2
+
+test-upstream-0.34: setup setup-0.34 ## the upstream gate on vLLM 0.34.0, on VLLM_TREE (the patched 0.34 tree)
+	@test -n "$(VLLM_TREE)" || { echo "usage: make test-upstream-0.34 VLLM_TREE=build/rebase34 (the patched vLLM 0.34.0 tree)" >&2; exit 2; }
+	$(WORKBENCH) upstream --base 0.34.0 --jobs 2 --tree "$(abspath $(VLLM_TREE))"
 
 apply: ## apply the series to a vLLM source tree VLLM_SRC (v0.32.0 git checkout or sdist; pip installs: vllm-kvchecksum apply)
 	@test -n "$(VLLM_SRC)" || { echo "usage: make apply VLLM_SRC=/path/to/vllm-0.32.0" >&2; exit 2; }

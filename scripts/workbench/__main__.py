@@ -5,7 +5,7 @@
     python -m workbench refresh
     python -m workbench check-series [--device cpu|cuda]
     python -m workbench rebase-check VERSION | --git URL_OR_PATH [--ref REF]
-    python -m workbench upstream [--record] [--jobs N] [--tree DIR]
+    python -m workbench upstream [--base 0.32.0|0.34.0] [--record] [--jobs N] [--tree DIR]
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def cmd_upstream(args) -> int:
     from .upstream import run_gate
 
     return run_gate(record=args.record, jobs=args.jobs, tree=Path(args.tree) if args.tree else None,
-                    only=args.only)
+                    only=args.only, base=args.base)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=BUILD, help="where the report and trees go (default build/)")
     p.set_defaults(func=cmd_rebase_check)
     p = sub.add_parser("upstream", help="the upstream regression gate")
+    p.add_argument("--base", default="0.32.0", metavar="VERSION",
+                   help="the vLLM release whose gate lists and venv to use: 0.32.0 (default: tests/upstream/, "
+                        ".venv) or 0.34.0 (tests/upstream/v0.34.0/, build/venv-0.34.0)")
     p.add_argument("--record", action="store_true", help="record the baseline (run on the unpatched base)")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--tree", help="vLLM tree to test (default build/vllm)")
+    p.add_argument("--tree", help="vLLM tree to test (default: build/vllm for 0.32.0; with --record the "
+                                  "unpatched base; 0.34.0 without --record needs it)")
     p.add_argument("--only", nargs="*", help="only these gate files")
     p.set_defaults(func=cmd_upstream)
     args = parser.parse_args(argv)

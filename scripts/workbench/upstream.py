@@ -5,6 +5,11 @@
 unpatched v0.32.0 base on this CPU setup (recorded with `--record` on a
 pristine tree). The gate runs the files on the patched tree and fails on any
 baseline test that does not pass now, naming it.
+
+Each vLLM release the series is kept for is a base (BASES): v0.32.0, the
+default, with its files in tests/upstream/ and .venv's Python; v0.34.0 with
+its files in tests/upstream/v0.34.0/, build/venv-0.34.0's Python (`make
+setup-0.34`) and the triton_switch plugin (`--base 0.34.0`).
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-from .tree import BUILD, ROOT, TREE, log
+from .series import SeriesError
+from .tree import BUILD, ROOT, TREE, download_sdist, log, unpack_sdist
 
 UPSTREAM = ROOT / "tests" / "upstream"
 GATE_FILES = UPSTREAM / "gate-files.txt"
@@ -38,9 +45,60 @@ GATE_ONLY_PACKAGES = ("torchvision==0.28.0",)
 TEST_TIMEOUT_S = 600
 
 
-def gate_files() -> list[str]:
-    return [ln.split("#", 1)[0].strip() for ln in GATE_FILES.read_text().splitlines()
-            if ln.split("#", 1)[0].strip()]
+@dataclass(frozen=True)
+class Base:
+    """One vLLM release the gate runs against: where its lists are, which
+    Python runs its tests, what else the test processes get."""
+
+    version: str
+    dir: Path  # gate-files.txt, baseline.txt, flaky.txt
+    python: Path  # the interpreter of the test processes
+    out: Path  # build/upstream*/{base,patched}: logs, outcomes, timings
+    # Folders put after the tree and scripts/workbench on the test processes' PYTHONPATH.
+    extra_path: tuple[Path, ...] = ()
+    plugins: tuple[str, ...] = ()  # pytest -p plugins (modules in scripts/workbench)
+    setup_hint: str = ""  # what makes `python` exist
+
+    @property
+    def gate_files_path(self) -> Path:
+        return self.dir / "gate-files.txt"
+
+    @property
+    def baseline_path(self) -> Path:
+        return self.dir / "baseline.txt"
+
+    @property
+    def flaky_path(self) -> Path:
+        return self.dir / "flaky.txt"
+
+
+DEFAULT_BASE = "0.32.0"
+VENV_034 = BUILD / "venv-0.34.0"
+BASES = {
+    # Today's gate, unchanged: .venv runs it (the Python running the workbench).
+    "0.32.0": Base("0.32.0", UPSTREAM, Path(sys.executable), BUILD / "upstream",
+                   extra_path=(SITE_HOOKS, GATE_SITE), setup_hint="make setup"),
+    # vLLM 0.34.0: build/venv-0.34.0 (torchvision that loads beside its torch:
+    # no site hook, no gate-only packages) and the Triton switch.
+    "0.34.0": Base("0.34.0", UPSTREAM / "v0.34.0", VENV_034 / "bin" / "python", BUILD / "upstream-0.34.0",
+                   plugins=("triton_switch",), setup_hint="make setup-0.34"),
+}
+
+
+def get_base(version: str | None) -> Base:
+    version = version or DEFAULT_BASE
+    if version not in BASES:
+        raise SeriesError(f"no upstream gate for vLLM {version!r}: the bases are {', '.join(BASES)}")
+    return BASES[version]
+
+
+def read_list(path: Path) -> list[str]:
+    """The entries of a gate list: one a line, `#` comments and blank lines dropped."""
+    return [ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines() if ln.split("#", 1)[0].strip()]
+
+
+def gate_files(base: Base | None = None) -> list[str]:
+    return read_list((base or get_base(None)).gate_files_path)
 
 
 def write_hf_cache() -> Path:
@@ -64,10 +122,9 @@ def write_hf_cache() -> Path:
     return HF_HOME
 
 
-def flaky_ids() -> set[str]:
-    if not FLAKY.exists():
-        return set()
-    return {ln.split("#", 1)[0].strip() for ln in FLAKY.read_text().splitlines()} - {""}
+def flaky_ids(base: Base | None = None) -> set[str]:
+    path = (base or get_base(None)).flaky_path
+    return set(read_list(path)) if path.exists() else set()
 
 
 def install_gate_site() -> Path:
@@ -88,11 +145,12 @@ def install_gate_site() -> Path:
     return GATE_SITE
 
 
-def gate_env(tree: Path) -> dict:
+def gate_env(tree: Path, base: Base | None = None) -> dict:
+    base = base or get_base(None)
     env = dict(os.environ)
     env.update({
         "HF_HOME": str(HF_HOME), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(tree), str(Path(__file__).parent), str(SITE_HOOKS), str(GATE_SITE)]),
+        "PYTHONPATH": os.pathsep.join([str(tree), str(Path(__file__).parent), *map(str, base.extra_path)]),
         "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false",
         # Each file gets one core; torch must not oversubscribe the two here.
         "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -106,26 +164,33 @@ def outcome_stem(rel: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in rel.replace("/", "__"))
 
 
-def rerun_alone(tree: Path, nodeid: str, out_dir: Path) -> str:
+def rerun_alone(tree: Path, nodeid: str, out_dir: Path, base: Base | None = None) -> str:
     """Run one test id by itself on `tree`: its outcome, "not run" when pytest
     recorded none for it (a collection error, an id that no longer exists)."""
-    _, results, elapsed, tail = run_file(tree, nodeid, out_dir)
+    _, results, elapsed, tail = run_file(tree, nodeid, out_dir, base)
     outcome = results.get(nodeid, "not run")
     log(f"  rerun alone: {nodeid}: {outcome} ({elapsed:.0f} s) | {tail}")
     return outcome
 
 
-def run_file(tree: Path, rel: str, out_dir: Path) -> tuple[str, dict[str, str], float, str]:
+def pytest_command(rel: str, base: Base | None = None) -> list[str]:
+    """The command line of one test process: the base's Python, its plugins."""
+    base = base or get_base(None)
+    plugins = [a for p in base.plugins for a in ("-p", p)]
+    return [str(base.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "outcomes_plugin", *plugins,
+            "-p", "no:randomly", f"--timeout={TEST_TIMEOUT_S}", rel]
+
+
+def run_file(tree: Path, rel: str, out_dir: Path, base: Base | None = None) -> tuple[str, dict[str, str], float, str]:
     """Run one upstream test file (or one test id) on `tree`: (rel, outcome by
     test id, seconds, the log's last line)."""
     stem = outcome_stem(rel)
     outcomes = out_dir / (stem + ".txt")
     outcomes.unlink(missing_ok=True)
-    env = gate_env(tree)
+    env = gate_env(tree, base)
     env["KVCS_OUTCOMES"] = str(outcomes)
     start = time.monotonic()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "outcomes_plugin",
-           "-p", "no:randomly", f"--timeout={TEST_TIMEOUT_S}", rel]
+    cmd = pytest_command(rel, base)
     log_path = out_dir / (stem + ".log")
     with open(log_path, "w") as log_file:
         proc = subprocess.run(cmd, cwd=tree, env=env, stdout=log_file, stderr=subprocess.STDOUT)
@@ -139,22 +204,69 @@ def run_file(tree: Path, rel: str, out_dir: Path) -> tuple[str, dict[str, str], 
     return rel, results, elapsed, tail[0]
 
 
-def pristine_tree() -> Path:
-    """A worktree of build/vllm at the unpatched base, with the ops."""
-    from .tree import base_worktree
+def pristine_tree(base: Base | None = None) -> Path:
+    """The unpatched base: for v0.32.0 a worktree of build/vllm at the base
+    with the ops; for another release its PyPI sdist unpacked under build/
+    (made once, then left as it is)."""
+    base = base or get_base(None)
+    if base.version == DEFAULT_BASE:
+        from .tree import base_worktree
 
-    return base_worktree(BUILD / "upstream-base", "cpu")
+        return base_worktree(BUILD / "upstream-base", "cpu")
+    dest = BUILD / f"upstream-base-{base.version}"
+    if not (dest / "vllm" / "__init__.py").is_file():
+        log(f"unpacking the vLLM {base.version} sdist as {dest.relative_to(ROOT)} (the unpatched base)")
+        unpack_sdist(download_sdist(base.version), dest)
+    return dest
 
 
-def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only: list[str] | None = None) -> int:
+def tree_version(tree: Path) -> str | None:
+    """The vLLM release a source tree says it is (its sdist's PKG-INFO), or None."""
+    info = tree / "PKG-INFO"
+    if not info.is_file():
+        return None
+    for line in info.read_text(errors="replace").splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def check_tree(tree: Path, base: Base) -> None:
+    """A tree the gate can run: a vLLM source tree of the base's release."""
+    if not (tree / "vllm" / "__init__.py").is_file():
+        raise SeriesError(f"{tree} is no vLLM source tree (no vllm/__init__.py): pass --tree a checkout or "
+                          f"unpacked sdist of vLLM {base.version}")
+    found = tree_version(tree)
+    if found is not None and found.split("+", 1)[0] != base.version:
+        raise SeriesError(f"{tree} is vLLM {found} (its PKG-INFO), not {base.version}: "
+                          f"pass --base {found.split('+', 1)[0]}, or --tree a {base.version} tree")
+
+
+def check_python(base: Base) -> None:
+    if not base.python.is_file():
+        raise SeriesError(f"the vLLM {base.version} gate runs its tests with {base.python}, which does not exist: "
+                          f"run `{base.setup_hint}` first")
+
+
+def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only: list[str] | None = None,
+             base: str | None = None) -> int:
+    b = get_base(base)
+    check_python(b)
+    if tree is None and not record and b.version != DEFAULT_BASE:
+        raise SeriesError(f"the vLLM {b.version} gate needs the patched tree: --tree PATH, e.g. "
+                          f"`make test-upstream-0.34 VLLM_TREE=build/rebase34`")
     write_hf_cache()
-    install_gate_site()
+    if GATE_SITE in b.extra_path:
+        install_gate_site()
     if tree is None:
-        tree = pristine_tree() if record else TREE
-    files = only or gate_files()
-    out_dir = BUILD / "upstream" / ("base" if record else "patched")
+        tree = pristine_tree(b) if record else TREE
+    tree = tree.resolve()
+    check_tree(tree, b)
+    files = only or gate_files(b)
+    out_dir = b.out / ("base" if record else "patched")
     out_dir.mkdir(parents=True, exist_ok=True)
-    log(f"upstream gate on {tree}: {len(files)} files, {jobs} at a time (logs in {out_dir.relative_to(ROOT)})")
+    log(f"upstream gate (vLLM {b.version} base) on {tree}: {len(files)} files, {jobs} at a time "
+        f"(logs in {out_dir.relative_to(ROOT)})")
     start = time.monotonic()
     # Longest files first, from the last run's timings, so the two lanes finish together.
     timings_path = out_dir / "timings.json"
@@ -163,7 +275,7 @@ def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only
     all_results: dict[str, str] = {}
     counts = {}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for rel, results, elapsed, tail in pool.map(lambda f: run_file(tree, f, out_dir), order):
+        for rel, results, elapsed, tail in pool.map(lambda f: run_file(tree, f, out_dir, b), order):
             timings[rel] = elapsed
             all_results.update(results)
             c = {k: sum(1 for v in results.values() if v == k) for k in sorted(set(results.values()))}
@@ -172,21 +284,24 @@ def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only
     timings_path.write_text(json.dumps(timings, indent=1, sort_keys=True))
     (out_dir / "counts.json").write_text(json.dumps(counts, indent=1, sort_keys=True))
     log(f"upstream gate took {time.monotonic() - start:.0f} s")
-    flaky = flaky_ids()
+    flaky = flaky_ids(b)
     passed = sorted(n for n, o in all_results.items() if o == "passed" and n not in flaky)
     if record:
-        BASELINE.write_text("".join(n + "\n" for n in passed))
+        if only:  # the other files' entries stay as they were
+            passed = merge_baseline(read_list(b.baseline_path) if b.baseline_path.exists() else [], passed, only)
+        b.baseline_path.write_text("".join(n + "\n" for n in passed))
         dropped = sum(1 for n, o in all_results.items() if o == "passed" and n in flaky)
-        log(f"recorded {len(passed)} passing tests in {BASELINE.relative_to(ROOT)}"
-            + (f" (left out {dropped} that passed but are listed in {FLAKY.relative_to(ROOT)})" if dropped else ""))
+        log(f"recorded {len(passed)} passing tests in {b.baseline_path.relative_to(ROOT)}"
+            + (f" (left out {dropped} that passed but are listed in {b.flaky_path.relative_to(ROOT)})"
+               if dropped else ""))
         return 0
-    baseline = [ln.strip() for ln in BASELINE.read_text().splitlines() if ln.strip()]
+    baseline = [ln.strip() for ln in b.baseline_path.read_text().splitlines() if ln.strip()]
     if only:
         baseline = [n for n in baseline if n.split("::", 1)[0] in files]
     rerun_dir = out_dir / "rerun"
     rerun_dir.mkdir(exist_ok=True)
 
-    regressed, flaky_now = classify_failures(baseline, all_results, lambda n: rerun_alone(tree, n, rerun_dir))
+    regressed, flaky_now = classify_failures(baseline, all_results, lambda n: rerun_alone(tree, n, rerun_dir, b))
     total = sum(1 for o in all_results.values() if o == "passed")
     if flaky_now:
         print(f"\nupstream gate: {len(flaky_now)} baseline test(s) failed once and passed when rerun alone "
@@ -202,6 +317,15 @@ def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only
     print(f"\nupstream gate: {len(baseline)} passed, 0 failed (baseline tests; {total} passed in all"
           + (f", {len(flaky_now)} of them on a rerun alone" if flaky_now else "") + ")", flush=True)
     return 0
+
+
+def merge_baseline(old: list[str], passed: list[str], only: list[str]) -> list[str]:
+    """The baseline after `--record --only ONLY`: the old entries that none of
+    ONLY (files or test ids) covers, and what passed in this run."""
+    def covered(nodeid: str) -> bool:
+        return any(nodeid == o or nodeid.startswith(o + "::") or nodeid.startswith(o + "[") for o in only)
+
+    return sorted({n for n in old if not covered(n)} | set(passed))
 
 
 # More baseline failures than this in one run is no flake: they are not rerun.
