@@ -279,13 +279,13 @@ def unapply_series(tree: Path, patches: list[Patch]) -> str:
     return f"removed {count} patches from {tree}"
 
 
-def init_base_repo(tree: Path) -> None:
+def init_base_repo(tree: Path, version: str = BASE_VERSION) -> None:
     """Make an unpacked base tree a git repository with one reproducible commit."""
     run(["git", "init", "-q", "-b", "series"], cwd=tree)
     run(["git", "config", "core.autocrlf", "false"], cwd=tree)
     run(["git", "add", "-A", "-f"], cwd=tree)
     env = {"GIT_AUTHOR_DATE": BASE_DATE, "GIT_COMMITTER_DATE": BASE_DATE}
-    run(["git", "commit", "-q", "--no-verify", "-m", f"vLLM v{BASE_VERSION} (PyPI sdist)"], cwd=tree, env=env)
+    run(["git", "commit", "-q", "--no-verify", "-m", f"vLLM v{version} (PyPI sdist)"], cwd=tree, env=env)
     run(["git", "tag", SDIST_TAG], cwd=tree)
     run(["git", "tag", BASE_TAG], cwd=tree)
 

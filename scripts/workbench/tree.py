@@ -69,12 +69,12 @@ def unpack_sdist(sdist: Path, dest: Path) -> None:
         top.rename(dest)
 
 
-def make_base_tree(dest: Path, sdist: Path, wheel: Path | None = None) -> None:
+def make_base_tree(dest: Path, sdist: Path, wheel: Path | None = None, version: str = BASE_VERSION) -> None:
     """The sdist as a git repo; with a wheel, plus its runtime overlay (BASE_TAG)."""
     from .runtime import overlay_files
 
     unpack_sdist(sdist, dest)
-    init_base_repo(dest)
+    init_base_repo(dest, version)
     if wheel is not None:
         commit_overlay(dest, overlay_files(wheel, sdist), wheel.name)
 
@@ -97,15 +97,20 @@ def _digest(files: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def sync_tree(tree: Path = TREE, force: bool = False, wheel: Path | None = None) -> str:
+def sync_tree(tree: Path = TREE, force: bool = False, wheel: Path | None = None, *,
+              patches_dir: Path = PATCHES, version: str = BASE_VERSION) -> str:
     """Bring build/vllm to base + patches/, keeping any unrefreshed work.
+
+    Another base (vLLM `version`, its series in `patches_dir`) works the same
+    on its own tree, e.g. build/vllm-0.34.0 from patches/v0.34.0.
 
     The tree is reset only if its commits are the ones the last sync put
     there (patches/ changed, e.g. after a pull), or with force, which first
     saves HEAD as a backup branch. Commits made since the last sync and not
     yet refreshed are refused, not thrown away.
     """
-    patches = read_series(PATCHES)
+    patches = read_series(patches_dir)
+    shown = tree.relative_to(ROOT) if tree.is_relative_to(ROOT) else tree
     if (tree / ".git").exists() and run(["git", "rev-parse", "-q", "--verify", SDIST_TAG], cwd=tree,
                                         check=False).returncode != 0:
         # Made before the runtime overlay existed: rebuild it if nothing would be lost.
@@ -115,8 +120,8 @@ def sync_tree(tree: Path = TREE, force: bool = False, wheel: Path | None = None)
         log("rebuilding build/vllm (it predates the runtime overlay commit)")
         shutil.rmtree(tree)
     if not (tree / ".git").exists():
-        log(f"creating {tree.relative_to(ROOT)} from the v{BASE_VERSION} sdist")
-        make_base_tree(tree, download_sdist(), wheel)
+        log(f"creating {shown} from the v{version} sdist")
+        make_base_tree(tree, download_sdist(version), wheel, version)
     dirty = run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree).stdout.strip()
     if dirty:
         raise SeriesError(
@@ -125,7 +130,7 @@ def sync_tree(tree: Path = TREE, force: bool = False, wheel: Path | None = None)
     current = _formatted(tree)
     wanted = _wanted(patches)
     if current == wanted:
-        return "build/vllm is current with patches/"
+        return f"{shown} is current with {patches_dir.relative_to(ROOT)}/"
     stamp = tree / ".git" / SYNC_STAMP
     last = stamp.read_text().strip() if stamp.exists() else None
     head = run(["git", "rev-parse", "HEAD"], cwd=tree).stdout.strip()
@@ -147,22 +152,30 @@ def sync_tree(tree: Path = TREE, force: bool = False, wheel: Path | None = None)
             run(["git", "am", "--abort"], cwd=tree, check=False)
             raise SeriesError(f"{patch.name} does not apply on the base:\n{result.stdout}{result.stderr}")
     stamp.write_text(_digest(_formatted(tree)) + "\n")
-    return f"build/vllm: base + {len(patches)} patches"
+    return f"{shown}: base + {len(patches)} patches"
 
 
-def base_worktree(path: Path, device: str = "cpu") -> Path:
-    """A worktree of build/vllm at BASE_TAG with the device's compiled ops,
-    made anew if it belongs to an older build/vllm."""
+def base_worktree(path: Path, device: str = "cpu", *, tree: Path = TREE, with_ops: bool = True) -> Path:
+    """A worktree of `tree` (build/vllm) at BASE_TAG with the device's compiled
+    ops (with_ops; a base without a CPU wheel has none), made anew if it
+    belongs to an older tree."""
     from .runtime import DEVICE_WHEELS, install_ops
 
     if (path / ".git").exists() and run(["git", "rev-parse", "--git-dir"], cwd=path, check=False).returncode != 0:
         shutil.rmtree(path)
+    if (path / ".git").exists():
+        common = run(["git", "rev-parse", "--path-format=absolute", "--git-common-dir"], cwd=path,
+                     check=False).stdout.strip()
+        if common and Path(common).resolve() != (tree / ".git").resolve():
+            shutil.rmtree(path)  # a worktree of another base's tree
+            run(["git", "worktree", "prune"], cwd=tree)
     if not (path / ".git").exists():
         if path.exists():
             shutil.rmtree(path)
-        run(["git", "worktree", "prune"], cwd=TREE)
-        run(["git", "worktree", "add", "-q", "--detach", "--force", str(path), BASE_TAG], cwd=TREE)
+        run(["git", "worktree", "prune"], cwd=tree)
+        run(["git", "worktree", "add", "-q", "--detach", "--force", str(path), BASE_TAG], cwd=tree)
     run(["git", "checkout", "-q", "--detach", BASE_TAG], cwd=path)
     run(["git", "reset", "-q", "--hard", BASE_TAG], cwd=path)
-    install_ops(download_wheel(DEVICE_WHEELS[device]["dist"]), download_sdist(), path)
+    if with_ops:
+        install_ops(download_wheel(DEVICE_WHEELS[device]["dist"]), download_sdist(), path)
     return path
