@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from kv_setup import build_caches
+import pd_harness
 from pd_harness import (HEAD_SIZE, NUM_BLOCKS, Side, StructuredOutputManager, Worker, layer_name, make_config)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
@@ -187,7 +188,8 @@ def make_hybrid_side(role: str, tp: int = 1, *, model: Mamba2Layer = Mamba2Layer
         checksums = KVChecksumWorker(config, caches, tp_rank=t, tp_size=tp, model_kv_heads=NUM_HEADS)
         workers.append(Worker(0, t, list(range(4)), t * local_heads, caches, checksums))
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    sched_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+    sched_config = pd_harness.settle_hash_block_size(
+        KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups), vllm_config)
     scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=sched_config, log_stats=True,
                           structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
     side = HybridSide(scheduler, workers, block_size, [(ATTENTION_LAYERS, None)])

@@ -19,6 +19,12 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "unit")]
 
 
 def main() -> None:
+    try:  # vLLM 0.34 without triton-cpu: scripts/workbench/triton_switch.py (on PYTHONPATH there)
+        import triton_switch
+    except ImportError:
+        pass
+    else:
+        triton_switch.install()
     records = []
 
     class Keep(logging.Handler):

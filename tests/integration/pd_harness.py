@@ -15,6 +15,7 @@ The scheduler holds only the first worker's layers, as in vLLM.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -184,17 +185,19 @@ class Side:
         return 2 * HEAD_SIZE * 2  # K and V, bf16
 
     def write_tokens(self, request_id: str, first_token: int, end_token: int,
-                     source: Side | None = None, source_id: str | None = None) -> None:
+                     source: Side | None = None, source_id: str | None = None,
+                     workers=None) -> None:
         """Write the KV of tokens [first_token, end_token) into the request's blocks.
 
         From the content function (a forward), or copied from `source`'s
         blocks of request `source_id` (a transfer). The slots after
-        end_token in its block get junk, which must not matter.
+        end_token in its block get junk, which must not matter. workers:
+        only these workers' caches (default: all).
         """
         for gid, (layers, _) in enumerate(self.groups):
             ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)[gid]
             src_ids = source.scheduler.kv_cache_manager.get_block_ids(source_id)[gid] if source else None
-            for w in self.workers:
+            for w in self.workers if workers is None else workers:
                 for layer in layers:
                     if layer not in w.layers:
                         continue
@@ -273,10 +276,7 @@ class Side:
     def runner_output(self, out, kv_connector_output) -> ModelRunnerOutput:
         """One worker's output for scheduler output `out`, as a forward gives it."""
         reqs = list(out.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: j for j, r in enumerate(reqs)},
-                                 sampled_token_ids=self.sampled_tokens(reqs), logprobs=None,
-                                 prompt_logprobs_dict={}, pooler_output=None,
-                                 kv_connector_output=kv_connector_output)
+        return model_runner_output(reqs, self.sampled_tokens(reqs), kv_connector_output)
 
     def sampled_tokens(self, req_ids) -> list[list[int]]:
         """A token for each request whose prompt is done; none for a partial prefill."""
@@ -325,7 +325,7 @@ def make_config(role: str, tp: int, pp: int, block_size: int, *, enable: bool = 
                           kv_buffer_device="cpu", enable_kv_checksum=enable, kv_checksum_fail_closed=fail_closed,
                           kv_load_failure_policy=policy, kv_connector_extra_config=connector_extra or {},
                           **({"kv_checksum_producer_recheck": True} if producer_recheck else {}))
-    return VllmConfig(
+    return settle_layout(VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=2048,
@@ -333,7 +333,7 @@ def make_config(role: str, tp: int, pp: int, block_size: int, *, enable: bool = 
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                        distributed_executor_backend="mp"),
-        kv_transfer_config=kv, device_config=DeviceConfig("cpu"))
+        kv_transfer_config=kv, device_config=DeviceConfig("cpu")))
 
 
 def make_side(role: str, tp: int = 1, pp: int = 1, block_size: int = 16, *, sliding_window: int | None = None,
@@ -375,7 +375,8 @@ def make_side(role: str, tp: int = 1, pp: int = 1, block_size: int = 16, *, slid
     # The scheduler's config lists the first worker's layers only.
     sched_groups = [KVCacheGroupSpec([layer_name(l) for l in layers if l in stage_layers[0]], spec(window))
                     for layers, window in groups]
-    sched_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=sched_groups)
+    sched_config = settle_hash_block_size(
+        KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=sched_groups), vllm_config)
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
     if batch_queue:
         vllm_config.scheduler_config.async_scheduling = True
@@ -418,12 +419,14 @@ def prompt_of(num_tokens: int, seed: int = 0) -> list[int]:
 
 
 def forward_of(side: Side, req: Request):
-    """What the step's forward writes for `req`: the KV of its scheduled tokens."""
+    """What the step's forward writes for `req`: the KV of its scheduled tokens
+    (forward(out, workers=...) writes only those workers' caches)."""
 
-    def forward(out):
+    def forward(out, workers=None):
         if req.request_id in out.num_scheduled_tokens:
             end = req.num_computed_tokens
-            side.write_tokens(req.request_id, end - out.num_scheduled_tokens[req.request_id], end)
+            side.write_tokens(req.request_id, end - out.num_scheduled_tokens[req.request_id], end,
+                              **({} if workers is None else {"workers": workers}))
 
     return forward
 
@@ -559,6 +562,72 @@ class ReportingConnector:
         return _Reporting(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
 
 
+def model_runner_output(req_ids: list[str], sampled_token_ids, kv_connector_output=None) -> ModelRunnerOutput:
+    """A ModelRunnerOutput of these requests, on this vLLM's fields (0.34
+    dropped req_id_to_index)."""
+    kwargs = dict(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=None,
+                  prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_connector_output)
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        kwargs["req_id_to_index"] = {r: j for j, r in enumerate(req_ids)}
+    return ModelRunnerOutput(**kwargs)
+
+
+def settle_layout(vllm_config: VllmConfig) -> VllmConfig:
+    """The KV cache layout, as vLLM 0.34's engine core resolves it before
+    any connector is built (these caches are block-first: LBNHC, the old
+    NHD); 0.32 has no such field to settle."""
+    cache = vllm_config.cache_config
+    if hasattr(cache, "kv_cache_layout") and cache.kv_cache_layout is None:
+        cache.kv_cache_layout = "LBNHC"
+    return vllm_config
+
+
+def settle_hash_block_size(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig) -> KVCacheConfig:
+    """hash_block_size, as vLLM 0.34's engine core sets it on every
+    KVCacheConfig (resolve_kv_cache_block_sizes); 0.32 has no such field."""
+    if getattr(kv_cache_config, "hash_block_size", 0) is None:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        kv_cache_config.hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
+    return kv_cache_config
+
+
+def _has_model_runner_v1() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.worker.kv_connector_model_runner_mixin") is not None
+
+
+# The model runners whose KV connector path this vLLM has: "v1"
+# (KVConnectorModelRunnerMixin, gone in vLLM 0.34) and "v2" (ActiveKVConnector).
+MODEL_RUNNERS = ("v1", "v2") if _has_model_runner_v1() else ("v2",)
+# The one tests use when the runner is not what they test.
+DEFAULT_RUNNER = MODEL_RUNNERS[0]
+
+
+def _active_kv_connector(vllm_config, caches, *, registered: bool):
+    """Model Runner V2's ActiveKVConnector over the current KV connector.
+
+    It registers `caches` with the connector, as a runner does once at
+    start-up; registered: the caller's connector holds its caches already
+    (registered once by the test, as at start-up), so not again."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+    if not registered:
+        return ActiveKVConnector(vllm_config, caches)
+    conn = get_kv_transfer_group()
+    own = conn.__dict__.get("register_kv_caches")
+    conn.register_kv_caches = lambda *_: None
+    try:
+        return ActiveKVConnector(vllm_config, caches)
+    finally:
+        if own is None:
+            del conn.register_kv_caches
+        else:
+            conn.register_kv_caches = own
+
+
 def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connector=None, received=None,
                 read_after_release=frozenset()):
     """Like Side.step, with each worker's output made by a model runner's own
@@ -570,7 +639,8 @@ def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connec
     checksums `received`, as a connector-owned carrier delivers them)."""
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
-    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+    if runner == "v1":
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
     out = side.scheduler.schedule()
     runner_outputs = []
@@ -587,7 +657,8 @@ def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connec
                 result = KVConnectorModelRunnerMixin.kv_connector_no_forward(
                     out, side.scheduler.vllm_config, w.checksums)
             else:
-                active = ActiveKVConnector(side.scheduler.vllm_config, {})
+                active = _active_kv_connector(side.scheduler.vllm_config, w.caches,
+                                              registered=connector is not None)
                 active.kv_checksum_worker = w.checksums
                 result = active.no_forward(out)
         finally:
@@ -596,7 +667,9 @@ def runner_step(side: Side, runner: str, finished_recving=frozenset(), *, connec
         # (on a copy: an empty result is vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT).
         result = copy.copy(result)
         reqs = list(out.num_scheduled_tokens)
-        result.req_ids, result.req_id_to_index = reqs, {r: i for i, r in enumerate(reqs)}
+        result.req_ids = reqs
+        if hasattr(result, "req_id_to_index"):  # vLLM 0.32; 0.34 looks requests up by req_ids
+            result.req_id_to_index = {r: i for i, r in enumerate(reqs)}
         result.sampled_token_ids = side.sampled_tokens(reqs)
         runner_outputs.append(result)
     merged = side.aggregator.aggregate(runner_outputs, 0)

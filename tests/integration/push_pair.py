@@ -55,7 +55,21 @@ def push_worker(engine_id: str):
     w._reg_send_inbox, w._deferred_push_inbox = queue.Queue(), queue.Queue()
     w._finished_blocks_inbox = queue.Queue()
     w._push_writer_stop = threading.Event()
+    _add_cleared_state(w)
     return w
+
+
+def _add_cleared_state(w) -> None:
+    """Every per-engine map or set `_cleanup_remote_engine` clears, empty,
+    read from its source: vLLM adds such state between releases (0.34:
+    _dst_pairs, draft_tp_mappings)."""
+    import inspect
+    import re
+
+    source = inspect.getsource(type(w)._cleanup_remote_engine)
+    for name, method in re.findall(r"self\.(\w+)\.(pop|discard)\(", source):
+        if name not in w.__dict__:
+            setattr(w, name, {} if method == "pop" else set())
 
 
 def registration(request_id: str, block_ids) -> bytes:

@@ -22,6 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# An engine or a CPU kernel of vLLM: the v0.32.0 base only (tests/conftest.py).
+pytestmark = pytest.mark.cpu_runtime
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "build" / "tiny-llama"
 

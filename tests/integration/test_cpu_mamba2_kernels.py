@@ -13,7 +13,9 @@ import pytest
 import torch
 from vllm.platforms import current_platform
 
-pytestmark = pytest.mark.skipif(not current_platform.is_cpu(), reason="the CPU path of vLLM's Mamba2 ops")
+# vLLM's CPU Mamba2 ops are compiled (vllm._C): the v0.32.0 base only (tests/conftest.py).
+pytestmark = [pytest.mark.skipif(not current_platform.is_cpu(), reason="the CPU path of vLLM's Mamba2 ops"),
+              pytest.mark.cpu_runtime]
 
 HEADS, HEAD_DIM, GROUPS, DSTATE, CHUNK = 4, 8, 1, 16, 32
 F32_SLACK = 1e-5  # states are O(1-10); float32 regrouping moves them by ~1e-7

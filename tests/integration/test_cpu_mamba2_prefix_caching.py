@@ -25,6 +25,9 @@ from pathlib import Path
 import pytest
 from mamba2_cpu_engine import batches
 
+# An engine or a CPU kernel of vLLM: the v0.32.0 base only (tests/conftest.py).
+pytestmark = pytest.mark.cpu_runtime
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "build" / "tiny-granite-h"
 

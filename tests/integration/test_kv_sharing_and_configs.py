@@ -21,7 +21,7 @@ import socket
 import pytest
 import torch
 from kv_setup import build_caches
-from pd_harness import HEAD_SIZE, NUM_BLOCKS, layer_name, make_config
+from pd_harness import HEAD_SIZE, NUM_BLOCKS, layer_name, make_config, settle_layout
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                          VllmConfig, set_current_vllm_config)
 from vllm.distributed import parallel_state
@@ -128,12 +128,12 @@ def vllm_config(model: str = "facebook/opt-125m", connector: str = "NixlConnecto
     """Like pd_harness.make_config, with any model, connector and ParallelConfig."""
     kv = KVTransferConfig(kv_connector=connector, kv_role="kv_both", kv_buffer_device="cpu",
                           enable_kv_checksum=enable, kv_checksum_fail_closed=fail_closed)
-    return VllmConfig(
+    return settle_layout(VllmConfig(
         model_config=model_config(model),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-        parallel_config=ParallelConfig(**parallel), kv_transfer_config=kv, device_config=DeviceConfig("cpu"))
+        parallel_config=ParallelConfig(**parallel), kv_transfer_config=kv, device_config=DeviceConfig("cpu")))
 
 
 def dcp_config(**kw) -> VllmConfig:
@@ -173,10 +173,21 @@ def create_scheduler(config: VllmConfig):
     return KVChecksumScheduler.create(config, scheduler_kv_cache_config(), CarryingConnector())
 
 
+def _has_legacy_ray_executor() -> bool:
+    from vllm import envs
+
+    return RAY_V2 in envs.environment_variables
+
+
+needs_legacy_ray = pytest.mark.skipif(not _has_legacy_ray_executor(),
+                                      reason="this vLLM has only the Ray V2 executor (0.34 dropped the switch)")
+
+
 UNSUPPORTED = {
     "dcp2": (dcp_config, "decode_context_parallel_size"),
     "pcp2": (pcp_config, "prefill_context_parallel_size"),
-    "ray-pp2": (ray_pp2_config, RAY_V2),
+    # The legacy Ray executor (gone in vLLM 0.34) with PP.
+    **({"ray-pp2": (ray_pp2_config, RAY_V2)} if _has_legacy_ray_executor() else {}),
 }
 
 
@@ -200,6 +211,7 @@ def test_unsupported_setup_with_fail_closed_is_off_not_an_error(case, monkeypatc
     assert create_scheduler(config) is None
 
 
+@needs_legacy_ray
 @pytest.mark.parametrize("value, enabled", [("1", True), ("0", False)])
 def test_ray_pp2_needs_the_v2_ray_executor(value, enabled, monkeypatch):
     monkeypatch.setenv(RAY_V2, value)
@@ -359,6 +371,7 @@ def test_create_worker_with_checksums_off_is_none(world_of_one):
     assert create_kv_checksum_worker(make_config("kv_both", 1, 1, BS, enable=False), config, caches) is None
 
 
+@needs_legacy_ray
 def test_create_worker_in_an_unsupported_setup_is_none(world_of_one, monkeypatch):
     monkeypatch.setenv(RAY_V2, "0")
     _, config, caches = worker_caches()

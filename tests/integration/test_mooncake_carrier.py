@@ -54,6 +54,7 @@ from unittest.mock import MagicMock, patch
 import msgspec
 import pytest
 import torch
+import pd_harness
 from pd_harness import Side, forward_of, make_request, make_side, prompt_of, runner_step, stats
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as mc
@@ -478,7 +479,9 @@ def receive(w: MooncakeConnectorWorker, metas: dict, **response):
     decoded = w._xfer_resp_decoder.decode(data)
 
     async def handle():
-        w.process_pulling_result(decoded, metas)
+        # Each producer worker's connection has its own copy of the metas
+        # (receive_kv_from_single_worker; vLLM 0.34 pops from it).
+        w.process_pulling_result(decoded, dict(metas))
 
     on_loop(w.receiver_loop, handle())
 
@@ -625,7 +628,7 @@ def test_real_pull_delivers_checksums_and_the_consumer_verifies_the_moved_bytes(
     preq = producer_request(P, prompt)
     shipped = None
     for _ in range(4):
-        out, _ = runner_step(P, "v1", connector=pair.p_conn)
+        out, _ = runner_step(P, pd_harness.DEFAULT_RUNNER, connector=pair.p_conn)
         meta = out.kv_connector_metadata
         if preq.request_id in meta.kv_checksums:
             shipped = meta.kv_checksums[preq.request_id]
@@ -642,12 +645,12 @@ def test_real_pull_delivers_checksums_and_the_consumer_verifies_the_moved_bytes(
     C.scheduler.add_request(creq)
     w = pair.consumer
     with patch.object(w, "process_pulling_result", wraps=w.process_pulling_result) as handled:
-        out, _ = runner_step(C, "v1", connector=pair.c_conn)
+        out, _ = runner_step(C, pd_harness.DEFAULT_RUNNER, connector=pair.c_conn)
         assert creq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         (pull,) = out.kv_connector_metadata.reqs_to_recv[pair.producer.engine_id].values()
         c_blocks = pull.local_block_ids
         wait_for(lambda: creq.status != RequestStatus.WAITING_FOR_REMOTE_KVS,
-                 lambda: runner_step(C, "v1", connector=pair.c_conn))
+                 lambda: runner_step(C, pd_harness.DEFAULT_RUNNER, connector=pair.c_conn))
     (call,) = handled.call_args_list
     response = call.args[0]
     assert response.status == MooncakeXferResponseStatus.FINISH
@@ -664,4 +667,4 @@ def test_real_pull_delivers_checksums_and_the_consumer_verifies_the_moved_bytes(
     assert new_c == ({"mismatch": 1} if tamper else {"verified": 1})
 
     # The producer's worker reports the send finished; its scheduler frees the request.
-    wait_for(lambda: preq.request_id not in P.scheduler.requests, lambda: runner_step(P, "v1", connector=pair.p_conn))
+    wait_for(lambda: preq.request_id not in P.scheduler.requests, lambda: runner_step(P, pd_harness.DEFAULT_RUNNER, connector=pair.p_conn))

@@ -68,7 +68,12 @@ def test_checksums_off_means_no_entries():
 
 
 def test_every_value_carries_its_blocks_entry_as_one_more_region():
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import KeyMetadata, RankLocalStoreLayout
+    try:  # vLLM 0.34 moved the store layouts to store/layout.py
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.layout import (KeyMetadata,
+                                                                                        RankLocalStoreLayout)
+    except ImportError:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (KeyMetadata,
+                                                                                      RankLocalStoreLayout)
 
     layout = RankLocalStoreLayout(KeyMetadata("m", 0, 0, 0, 0), block_size=16, hash_block_size=16)
     layout.set_kv_caches_base_addr([1000, 50_000])
@@ -81,7 +86,8 @@ def test_every_value_carries_its_blocks_entry_as_one_more_region():
     assert bids == [7, 5]
     assert addrs == [a + [9000 + 8 * b] for a, b in zip(plain[0], bids)]
     assert sizes == [s + [8] for s in plain[1]]
-    assert layout.prepare_value_for_block(3) == ([1300, 50_300, 9024], [100, 100, 8])
+    if hasattr(layout, "prepare_value_for_block"):  # vLLM 0.32 only
+        assert layout.prepare_value_for_block(3) == ([1300, 50_300, 9024], [100, 100, 8])
 
 
 def test_saves_fill_each_position_once_per_block_it_holds():

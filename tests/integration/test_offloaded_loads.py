@@ -16,6 +16,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 from offload_harness import (STORE, corrupt_store_kv, empty_store, host_connector, load_prompt,  # noqa: F401 (fixture)
                              load_prompt_sync, loading_forward, make_offload_side, perform_loads, store_prompt)
+import pd_harness
 from pd_harness import (ReportingConnector, forward_of, load, make_config, make_request, make_side, prompt_of, runner_step,
                         series_lacks_first_bad_block_rollback,
                         stats)
@@ -314,7 +315,7 @@ def test_sync_load_is_judged_with_its_own_steps_output(logs):
     assert B.reported_gauges == {"loads_in_flight": 0, "held_blocks": 0}
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("runner", pd_harness.MODEL_RUNNERS)
 def test_sync_load_is_checksummed_before_a_save_can_refill_its_entries(runner, logs):
     """A save in the step of a synchronous load refills the entries of the
     loaded blocks from the loaded, corrupt KV in wait_for_save: the model

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -39,6 +40,7 @@ import msgpack
 import msgspec
 import numpy as np
 import pytest
+import pd_harness
 from pd_harness import (CONNECTORS, carrier_request, forward_of, load, make_request, make_side, prefill, prompt_of,
                         runner_step, scheduler_connector, stats)
 from test_verified_loads import PROMPT, nested
@@ -191,7 +193,16 @@ def test_writer_keeps_checksums_until_eviction_and_builds_the_notif():
 
 
 def test_connector_version_changed_for_the_new_notif_form():
-    assert NIXL_CONNECTOR_VERSION == 15
+    # The series' own entry is the newest of metadata.py's version history
+    # (15 on vLLM 0.32, 17 on 0.34), so mixed versions fail the handshake.
+    import inspect
+
+    import vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata as metadata
+
+    history = re.findall(r"^#\s+(\d+): (.*)$", inspect.getsource(metadata), re.M)
+    newest, what = max(history, key=lambda h: int(h[0]))
+    assert int(newest) == NIXL_CONNECTOR_VERSION
+    assert "KV checksums" in what
 
 
 # -- the notif over real NIXL agents, parsed by the consumer ---------------------
@@ -369,7 +380,7 @@ def test_startup_line_names_the_push_carrier():
     assert _carrier_name(connector("NixlPushConnector")) == "connector"
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("runner", pd_harness.MODEL_RUNNERS)
 def test_connector_delivered_checksums_pass_through_each_model_runner(runner, logs):
     """NIXL push: the workers' connector reports the producer's checksums
     with the finished load; each runner hands them to the checksum worker."""

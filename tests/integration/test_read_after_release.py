@@ -31,6 +31,7 @@ from unittest.mock import MagicMock
 
 import pytest
 from log_capture import capture_logger
+import pd_harness
 from pd_harness import make_side, runner_step, stats
 
 from vllm_kvchecksum.engine import incident, metrics, scheduler as kvcs_scheduler
@@ -252,7 +253,7 @@ def test_the_requests_a_producer_remembers_are_bounded(monkeypatch):
     assert list(producer.scheduler.kv_checksum._read_after_release) == ["c", "a"]
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("runner", pd_harness.MODEL_RUNNERS)
 def test_both_model_runners_hand_the_connectors_late_reads_to_the_scheduler(runner):
     producer = make_side("kv_producer")
     runner_step(producer, runner, read_after_release={"p-9"})

@@ -2,6 +2,7 @@
 
 import pickle
 
+import pd_harness
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -20,8 +21,7 @@ def record(tp_rank, pp_rank=0, value=1):
 
 
 def runner_output(kv):
-    return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
-                             prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv)
+    return pd_harness.model_runner_output([], [], kv)
 
 
 def test_fields_default_to_none():

@@ -302,6 +302,13 @@ class KVChecksumFaultConnector(MultiConnector):
         check_connectors(vllm_config.kv_transfer_config.kv_connector_extra_config)
         return super()._get_connector_classes_and_configs(vllm_config)
 
+    if hasattr(MultiConnector, "kv_cache_access"):  # vLLM 0.34: asked while the config is built
+
+        @classmethod
+        def kv_cache_access(cls, kv_transfer_config):
+            check_connectors(kv_transfer_config.kv_connector_extra_config)
+            return super().kv_cache_access(kv_transfer_config)
+
     def _write(self, record: dict[str, Any]) -> None:
         logger.warning("%s", describe_record(record))
         self._records.write(record)

@@ -14,7 +14,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from vllm.v1.core.kv_cache_utils import layer_tp_replicas
+try:  # vLLM 0.34 moved KV cache planning out of kv_cache_utils
+    from vllm.v1.core.kv_cache_planning import layer_tp_replicas
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import layer_tp_replicas
 from vllm.v1.kv_cache_interface import (AttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec,
                                         MLAAttentionSpec, SlidingWindowMLASpec,
                                         UniformTypeKVCacheSpecs)

@@ -147,9 +147,14 @@ def checksums_requested(vllm_config: VllmConfig) -> bool:
 
 
 def _ray_v2_executor() -> bool:
-    """Whether vLLM picks its Ray V2 executor, read the way vLLM reads it."""
+    """Whether vLLM picks its Ray V2 executor, read the way vLLM reads it.
+
+    vLLM 0.34 has no other Ray executor, and no switch between them.
+    """
     from vllm import envs
 
+    if "VLLM_USE_RAY_V2_EXECUTOR_BACKEND" not in envs.environment_variables:
+        return True
     return bool(envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND)
 
 

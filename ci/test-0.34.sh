@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The series on vLLM 0.34.0, where no engine runs (docs/workbench.md, "Two
+# bases"): the project's unit and integration tests against the patched 0.34
+# tree (build/vllm-0.34.0) with build/venv-0.34.0 and the Triton switch, then
+# vLLM 0.34's own tests of the files the series touches (the upstream gate).
+# Tests marked e2e or cpu_runtime need vLLM's CPU runtime: they run on v0.32.0.
+# Exits non-zero on any failure, and on a pytest run that collected no test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+TREE=$PWD/build/vllm-0.34.0
+PY=build/venv-0.34.0/bin/python
+for need in "$PY" "$TREE/vllm/__init__.py"; do
+  [ -e "$need" ] || { echo "[test-0.34] $need is missing: run make setup-0.34" >&2; exit 2; }
+done
+status=0
+echo "== project tests on vLLM 0.34.0 (tests/unit, tests/integration; not e2e or cpu_runtime) =="
+PYTHONPATH="$TREE:$PWD:$PWD/scripts/workbench" KVCS_VLLM_TREE="$TREE" VLLM_TARGET_DEVICE=cpu \
+  "$PY" -m pytest -p no:cacheprovider -p triton_switch -q -n 2 -m "not e2e" tests/unit tests/integration \
+  || status=$?
+if [ "$status" = 5 ]; then echo "pytest collected no tests: that is a failure" >&2; fi
+echo "project tests on 0.34.0 took $(( $(date +%s) - start )) s"
+echo "== upstream regression gate on vLLM 0.34.0 =="
+(cd scripts && ../.venv/bin/python -m workbench upstream --base 0.34.0 --tree "$TREE" --jobs 2) \
+  || status=$((status ? status : 1))
+echo "make test-0.34 took $(( $(date +%s) - start )) s"
+exit "$status"
