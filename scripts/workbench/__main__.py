@@ -3,7 +3,7 @@
     python -m workbench prepare [--device cpu|cuda] [--force]
     python -m workbench apply DIR | unapply DIR | state DIR
     python -m workbench refresh
-    python -m workbench check-series [--device cpu|cuda]
+    python -m workbench check-series [--device cpu|cuda] [--jobs N]
     python -m workbench rebase-check VERSION | --git URL_OR_PATH [--ref REF]
     python -m workbench upstream [--base 0.32.0|0.34.0] [--record] [--jobs N] [--tree DIR]
 """
@@ -59,7 +59,7 @@ def cmd_refresh(args) -> int:
 def cmd_check_series(args) -> int:
     from .checks import check_series
 
-    return check_series(args.device)
+    return check_series(args.device, jobs=args.jobs)
 
 
 def cmd_rebase_check(args) -> int:
@@ -88,6 +88,16 @@ def cmd_upstream(args) -> int:
                     only=args.only, base=args.base)
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("refresh", help="rewrite patches/ from build/vllm").set_defaults(func=cmd_refresh)
     p = sub.add_parser("check-series", help="every prefix applies, imports, passes its tests")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--jobs", type=positive_int, default=2,
+                   help="prefixes checked at a time, each in a worktree of its own (default 2)")
     p.set_defaults(func=cmd_check_series)
     p = sub.add_parser("rebase-check", help="how the series applies to another release or a git ref")
     p.add_argument("version", nargs="?", help="a vLLM release on PyPI, e.g. 0.34.0")

@@ -9,62 +9,52 @@ import sys
 from pathlib import Path
 
 from .gitsource import GIT_TIMEOUT_S, fetch_ref, resolve_source, sanitized_ref
+from .lanes import LaneRunner, render
 from .series import BASE_VERSION, Patch, SeriesError, read_series, run
 from .tree import BUILD, PATCHES, ROOT, base_worktree, download_sdist, log, unpack_sdist
 
 
-def patched_modules(patches: list[Patch]) -> list[str]:
-    """Importable vllm modules the patches touch (files they add or change)."""
-    mods = set()
-    for patch in patches:
-        for rel in patch.touched_files():
-            if rel.startswith("vllm/") and rel.endswith(".py"):
-                mod = rel[:-3].replace("/", ".")
-                mods.add(mod[: -len(".__init__")] if mod.endswith(".__init__") else mod)
-    return sorted(mods)
+def check_series(device: str = "cpu", pytest_args: list[str] | None = None, jobs: int = 2,
+                 base: str | None = None) -> int:
+    """Every prefix of the series applies, imports what it patches and passes the tests
+    its patch names; checked `jobs` at a time in worktrees of their own (lanes.py).
 
+    base: the vLLM release (bases.py; default v0.32.0). A base without a CPU
+    wheel (0.34.0) runs with its own venv, the tree on PYTHONPATH, the Triton
+    switch, and without the tests that need vLLM's CPU runtime.
+    """
+    from .bases import get_base
 
-def check_series(device: str = "cpu", pytest_args: list[str] | None = None) -> int:
-    """Apply the patches one at a time; after each, import and test what it names."""
-    patches = read_series(PATCHES)
+    spec = get_base(base)
+    patches = read_series(spec.patches)
     if not patches:
-        raise SeriesError("patches/series is empty")
-    wt = base_worktree(BUILD / "check-series", device)
-    env = dict(os.environ, PYTHONPATH=f"{wt}{os.pathsep}{ROOT}", KVCS_VLLM_TREE=str(wt))
-    if device == "cpu":
-        # On PYTHONPATH the tree's own vllm.egg-info (0.32.0, from the sdist)
-        # shadows the 0.32.0+cpu dist-info that platform detection reads.
-        env["VLLM_TARGET_DEVICE"] = "cpu"
-    failures = []
-    for i, patch in enumerate(patches, 1):
-        log(f"[{i}/{len(patches)}] {patch.name}")
-        result = run(["git", "am", "-q", "--committer-date-is-author-date", str(patch.path)], cwd=wt, check=False)
-        if result.returncode != 0:
-            run(["git", "am", "--abort"], cwd=wt, check=False)
-            failures.append(f"{patch.name}: does not apply after the patches before it")
-            break
-        mods = patched_modules(patches[:i])
-        code = "import importlib, vllm, sys\n" \
-               f"assert vllm.__file__.startswith({str(wt)!r}), vllm.__file__\n" \
-               f"for m in {mods!r}:\n    importlib.import_module(m)\n"
-        imp = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        if imp.returncode != 0:
-            failures.append(f"{patch.name}: importing the patched modules failed:\n{imp.stdout[-3000:]}")
-            continue
-        log(f"  imported {len(mods)} patched modules")
-        tests = patch.tests()
-        if not tests:
-            failures.append(f"{patch.name}: names no tests (add a 'Tests:' line to its message)")
-            continue
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, *(pytest_args or [])]
-        res = subprocess.run(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        tail = res.stdout.strip().splitlines()[-1:] or [""]
-        log(f"  {' '.join(tests)}: {tail[0]}")
-        if res.returncode != 0:
-            failures.append(f"{patch.name}: its tests failed:\n{res.stdout[-4000:]}")
-    if failures:
-        print("\ncheck-series FAILED:\n" + "\n".join(failures), flush=True)
+        raise SeriesError(f"{spec.patches}/series is empty")
+    suffix = "" if spec.written_on else f"-{spec.version}"
+
+    def worktree(lane: int) -> Path:
+        name = f"check-series{suffix}" + ("" if lane == 0 else f"-{lane + 1}")
+        return base_worktree(BUILD / name, device, tree=spec.tree, with_ops=spec.cpu_wheel)
+
+    def env_for(wt: Path) -> dict:
+        if not spec.cpu_wheel:
+            return dict(os.environ, **spec.test_env(wt))
+        env = dict(os.environ, PYTHONPATH=f"{wt}{os.pathsep}{ROOT}", KVCS_VLLM_TREE=str(wt))
+        if device == "cpu":
+            # On PYTHONPATH the tree's own vllm.egg-info (0.32.0, from the sdist)
+            # shadows the 0.32.0+cpu dist-info that platform detection reads.
+            env["VLLM_TARGET_DEVICE"] = "cpu"
+        return env
+
+    args = [*(f"-p{plugin}" for plugin in spec.pytest_plugins), *(pytest_args or [])]
+    if not spec.cpu_wheel:
+        args += ["-m", "not e2e"]  # no engine on this base; cpu_runtime tests skip themselves
+    outcome = LaneRunner(patches, worktree, env_for, root=ROOT, jobs=jobs, pytest_args=args,
+                         python=str(spec.python) if not spec.written_on else sys.executable,
+                         timings_path=BUILD / f"check-series{suffix}-timings.json",
+                         log_dir=BUILD / f"check-series{suffix}-logs").run()
+    print(render(outcome), flush=True)
+    if outcome.failures:
+        print("\ncheck-series FAILED:\n" + "\n".join(r.failure for r in outcome.failures), flush=True)
         return 1
     print(f"\ncheck-series: all {len(patches)} prefixes apply, import and pass their tests", flush=True)
     return 0
