@@ -1,4 +1,4 @@
-# vllm-kvchecksum: the patch series against vLLM v0.32.0 and its workbench.
+# vllm-kvchecksum: the patch series against vLLM v0.32.0 (carried on v0.34.0) and its workbench.
 # `make help` lists the targets; docs/workbench.md explains each.
 
 VLLM_DEVICE ?= cpu
@@ -9,10 +9,11 @@ VLLM_SRC ?=
 MODEL ?=
 DEMO_ARGS ?=
 SOAK_ARGS ?=
+BASE ?=
 PY := .venv/bin/python
 WORKBENCH := cd scripts && ../$(PY) -m workbench
 
-.PHONY: help demo soak rollback setup setup-0.34 test test-unit test-e2e test-upstream test-upstream-0.34 apply unapply wheels refresh check-series rebase-check bench clean
+.PHONY: help demo soak rollback setup setup-0.34 test test-0.34 test-unit test-e2e test-upstream test-upstream-0.34 apply unapply wheels refresh check-series check-series-0.34 in-step rebase-check bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9.-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -20,8 +21,9 @@ help: ## list the targets
 setup: ## build .venv: vLLM v0.32.0 + series in build/vllm, importable (VLLM_DEVICE=cpu|cuda)
 	VLLM_DEVICE=$(VLLM_DEVICE) FORCE=$(FORCE) ci/setup.sh
 
-setup-0.34: ## build/venv-0.34.0: vLLM 0.34.0 from the package index, for its scheduler/connector tests (no engine)
+setup-0.34: setup ## build/venv-0.34.0 (vLLM 0.34.0 from the package index) and build/vllm-0.34.0 (0.34 + patches/v0.34.0); no engine
 	ci/setup-0.34.sh
+	@$(WORKBENCH) prepare --base 0.34.0
 
 demo: setup ## real P/D servers catching injected KV faults: table + build/demo/report.json (DEMO_ARGS=--help)
 	PYTHONPATH=scripts $(PY) -m kvcs_demo --device $(VLLM_DEVICE) $(if $(MODEL),--model $(MODEL)) $(DEMO_ARGS)
@@ -44,9 +46,11 @@ test-e2e: setup ## the end-to-end test alone: a short make demo on real servers
 test-upstream: setup ## the upstream regression gate alone
 	$(WORKBENCH) upstream --jobs 2
 
-test-upstream-0.34: setup setup-0.34 ## the upstream gate on vLLM 0.34.0, on VLLM_TREE (the patched 0.34 tree)
-	@test -n "$(VLLM_TREE)" || { echo "usage: make test-upstream-0.34 VLLM_TREE=build/rebase34 (the patched vLLM 0.34.0 tree)" >&2; exit 2; }
-	$(WORKBENCH) upstream --base 0.34.0 --jobs 2 --tree "$(abspath $(VLLM_TREE))"
+test-0.34: setup-0.34 ## the series on vLLM 0.34.0: the project's tests there (no engine), then its upstream gate
+	ci/test-0.34.sh
+
+test-upstream-0.34: setup-0.34 ## the upstream gate on vLLM 0.34.0, on VLLM_TREE (default build/vllm-0.34.0)
+	$(WORKBENCH) upstream --base 0.34.0 --jobs 2 --tree "$(abspath $(or $(VLLM_TREE),build/vllm-0.34.0))"
 
 apply: ## apply the series to a vLLM source tree VLLM_SRC (v0.32.0 git checkout or sdist; pip installs: vllm-kvchecksum apply)
 	@test -n "$(VLLM_SRC)" || { echo "usage: make apply VLLM_SRC=/path/to/vllm-0.32.0" >&2; exit 2; }
@@ -62,11 +66,17 @@ WHEELS_PY := $(if $(wildcard $(PY)),$(PY),python3)
 wheels: ## build/wheels/: the helper's wheel + the release wheel patched (VLLM_DEVICE=cpu|cuda; docs/install.md)
 	$(WHEELS_PY) scripts/build_wheels.py --device $(VLLM_DEVICE) --out build/wheels
 
-refresh: ## rewrite patches/ from the commits on top of the base in build/vllm
-	@$(WORKBENCH) refresh
+refresh: ## rewrite patches/ from the commits on top of the base in build/vllm (BASE=0.34.0: patches/v0.34.0 from build/vllm-0.34.0)
+	@$(WORKBENCH) refresh $(if $(BASE),--base $(BASE))
+
+in-step: ## the series on v0.34.0 is in step with v0.32.0 (patches/v0.34.0/from-v0.32.0.txt; RECORD=1 records after a port)
+	@$(WORKBENCH) in-step $(if $(RECORD),--record)
 
 check-series: setup ## every prefix of the series applies, imports, passes its tests
 	ci/check-series.sh
+
+check-series-0.34: setup-0.34 ## the same for the series on vLLM 0.34.0 (patches/v0.34.0), without the engine tests
+	@$(WORKBENCH) check-series --base 0.34.0 --jobs $${CHECK_SERIES_JOBS:-2}
 
 rebase-check: setup ## report how the series applies to VLLM_VERSION (default 0.34.0), or VLLM_REF of VLLM_GIT
 	VLLM_GIT="$(VLLM_GIT)" VLLM_REF="$(VLLM_REF)" ci/rebase-check.sh $(VLLM_VERSION)

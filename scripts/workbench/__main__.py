@@ -1,8 +1,9 @@
 """Command line of the workbench; the Makefile's targets call it.
 
-    python -m workbench prepare [--device cpu|cuda] [--force]
+    python -m workbench prepare [--device cpu|cuda] [--force] [--base 0.32.0|0.34.0]
     python -m workbench apply DIR | unapply DIR | state DIR
-    python -m workbench refresh
+    python -m workbench refresh [--base 0.32.0|0.34.0]
+    python -m workbench in-step [--record]
     python -m workbench check-series [--device cpu|cuda] [--jobs N]
     python -m workbench rebase-check VERSION | --git URL_OR_PATH [--ref REF]
     python -m workbench upstream [--base 0.32.0|0.34.0] [--record] [--jobs N] [--tree DIR]
@@ -20,8 +21,16 @@ from .tree import BUILD, PATCHES, TREE, download_sdist, download_wheel, log, syn
 
 
 def cmd_prepare(args) -> int:
+    from .bases import get_base
     from .runtime import DEVICE_WHEELS, install_ops, link_tree
     from .upstream import write_hf_cache
+
+    base = get_base(args.base)
+    if not base.cpu_wheel:
+        # No compiled ops to take and no venv to link: its tests put the tree on PYTHONPATH.
+        log(sync_tree(base.tree, force=args.force, patches_dir=base.patches, version=base.version))
+        write_hf_cache()
+        return 0
 
     wheel = download_wheel(DEVICE_WHEELS[args.device]["dist"])
     log(sync_tree(TREE, force=args.force, wheel=wheel))
@@ -52,20 +61,48 @@ def cmd_state(args) -> int:
 
 
 def cmd_refresh(args) -> int:
-    print(refresh(TREE, PATCHES))
+    from .bases import get_base
+
+    base = get_base(args.base)
+    print(refresh(base.tree, base.patches))
     return 0
+
+
+def cmd_in_step(args) -> int:
+    from .bases import BASES, DEFAULT
+    from .in_step import check, record
+
+    failed = 0
+    for base in BASES.values():
+        if base.version == DEFAULT:
+            continue
+        if args.record:
+            print(record(PATCHES, base.patches))
+        problems = check(PATCHES, base.patches)
+        for problem in problems:
+            print(f"v{base.version}: {problem}")
+        if not problems:
+            print(f"v{base.version}: in step with v{DEFAULT} ({base.patches.relative_to(PATCHES.parent)})")
+        failed |= bool(problems)
+    return 1 if failed else 0
 
 
 def cmd_check_series(args) -> int:
     from .checks import check_series
 
-    return check_series(args.device, jobs=args.jobs)
+    return check_series(args.device, jobs=args.jobs, base=args.base)
 
 
 def cmd_rebase_check(args) -> int:
     from .checks import rebase_check, rebase_check_git
 
-    where = {"patches_dir": args.patches.resolve(), "out_dir": args.out.resolve()}
+    from .bases import BASES
+
+    patches = args.patches
+    if patches is None:
+        # A release the series is carried on is checked with its own series.
+        patches = BASES[args.version].patches if args.version in BASES else PATCHES
+    where = {"patches_dir": patches.resolve(), "out_dir": args.out.resolve()}
     if args.git is None:
         if not args.version or args.ref is not None:
             raise SeriesError("rebase-check needs a release VERSION (e.g. 0.34.0), or --git URL_OR_PATH "
@@ -102,19 +139,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
+    base_help = ("the vLLM release: 0.32.0 (default: patches/, build/vllm) or 0.34.0 "
+                 "(patches/v0.34.0, build/vllm-0.34.0)")
     p = sub.add_parser("prepare", help="build/vllm = base + series, importable as vllm")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--force", action="store_true", help="reset build/vllm to patches/ (backup branch kept)")
+    p.add_argument("--base", default=None, metavar="VERSION", help=base_help)
     p.set_defaults(func=cmd_prepare)
     for name, func in (("apply", cmd_apply), ("unapply", cmd_unapply), ("state", cmd_state)):
         p = sub.add_parser(name)
         p.add_argument("dir", help="a vLLM v0.32.0 source tree (git checkout or unpacked sdist)")
         p.set_defaults(func=func)
-    sub.add_parser("refresh", help="rewrite patches/ from build/vllm").set_defaults(func=cmd_refresh)
+    p = sub.add_parser("refresh", help="rewrite patches/ from build/vllm")
+    p.add_argument("--base", default=None, metavar="VERSION", help=base_help)
+    p.set_defaults(func=cmd_refresh)
+    p = sub.add_parser("in-step", help="the series on each other base is in step with v0.32.0")
+    p.add_argument("--record", action="store_true", help="record the current digests first (after porting)")
+    p.set_defaults(func=cmd_in_step)
     p = sub.add_parser("check-series", help="every prefix applies, imports, passes its tests")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--jobs", type=positive_int, default=2,
                    help="prefixes checked at a time, each in a worktree of its own (default 2)")
+    p.add_argument("--base", default=None, metavar="VERSION", help=base_help)
     p.set_defaults(func=cmd_check_series)
     p = sub.add_parser("rebase-check", help="how the series applies to another release or a git ref")
     p.add_argument("version", nargs="?", help="a vLLM release on PyPI, e.g. 0.34.0")
@@ -122,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ref", help="branch, tag or full commit sha of --git (default main)")
     p.add_argument("--timeout", type=float, default=GIT_TIMEOUT_S,
                    help=f"seconds each git command may take (default {GIT_TIMEOUT_S:g})")
-    p.add_argument("--patches", type=Path, default=PATCHES, help="the series directory (default patches/)")
+    p.add_argument("--patches", type=Path, default=None,
+                   help="the series directory (default: the series carried on VERSION if there is one, "
+                        "e.g. patches/v0.34.0 for 0.34.0, else patches/)")
     p.add_argument("--out", type=Path, default=BUILD, help="where the report and trees go (default build/)")
     p.set_defaults(func=cmd_rebase_check)
     p = sub.add_parser("upstream", help="the upstream regression gate")

@@ -253,8 +253,13 @@ def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only
     b = get_base(base)
     check_python(b)
     if tree is None and not record and b.version != DEFAULT_BASE:
-        raise SeriesError(f"the vLLM {b.version} gate needs the patched tree: --tree PATH, e.g. "
-                          f"`make test-upstream-0.34 VLLM_TREE=build/rebase34`")
+        from .bases import get_base as get_series_base
+
+        # The maintainer's tree of that base: its sdist + its series (make setup-0.34).
+        tree = get_series_base(b.version).tree
+        if not (tree / "vllm" / "__init__.py").exists():
+            raise SeriesError(f"the vLLM {b.version} gate runs on the patched tree {tree}, which does not "
+                              f"exist: run `make setup-0.34`, or name a tree with --tree PATH")
     write_hf_cache()
     if GATE_SITE in b.extra_path:
         install_gate_site()

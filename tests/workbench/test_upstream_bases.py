@@ -129,14 +129,22 @@ def test_a_tree_of_another_release_is_refused(tmp_path):
         U.check_tree(tmp_path / "empty", b34)
 
 
-def test_the_034_gate_without_a_tree_says_what_to_run(tmp_path):
-    """No silent default for the patched 0.34 tree: the error gives the command."""
-    if VENV_034_PY.is_file():
-        with pytest.raises(SeriesError, match=r"make test-upstream-0\.34 VLLM_TREE="):
-            U.run_gate(base="0.34.0")
-    else:
+def test_the_034_gate_without_a_tree_runs_on_the_maintainers_034_tree_or_says_what_to_run(tmp_path, monkeypatch):
+    """No --tree: the 0.34 gate runs on build/vllm-0.34.0 (make setup-0.34);
+    without that tree it says what to run instead of guessing another."""
+    import dataclasses
+
+    from workbench import bases
+
+    if not VENV_034_PY.is_file():
         with pytest.raises(SeriesError, match=r"does not exist: run `make setup-0\.34` first"):
             U.run_gate(base="0.34.0")
+        return
+    assert bases.get_base("0.34.0").tree == bases.BUILD / "vllm-0.34.0"
+    missing = dataclasses.replace(bases.BASES["0.34.0"], tree=tmp_path / "no-tree")
+    monkeypatch.setitem(bases.BASES, "0.34.0", missing)
+    with pytest.raises(SeriesError, match=r"no-tree, which does not exist: run `make setup-0\.34`"):
+        U.run_gate(base="0.34.0")
 
 
 @needs_venv_034
