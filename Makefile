@@ -46,8 +46,8 @@ test-e2e: setup ## the end-to-end test alone: a short make demo on real servers
 test-upstream: setup ## the upstream regression gate alone
 	$(WORKBENCH) upstream --jobs 2
 
-test-0.34: setup-0.34 ## the series on vLLM 0.34.0: the project's tests there (no engine), then its upstream gate
-	ci/test-0.34.sh
+test-0.34: setup-0.34 ## the series on vLLM 0.34.0: the project's unit and integration tests there (no engine); GATE=1 adds its upstream gate
+	ci/test-0.34.sh $(if $(GATE),--gate)
 
 test-upstream-0.34: setup-0.34 ## the upstream gate on vLLM 0.34.0, on VLLM_TREE (default build/vllm-0.34.0)
 	$(WORKBENCH) upstream --base 0.34.0 --jobs 2 --tree "$(abspath $(or $(VLLM_TREE),build/vllm-0.34.0))"
