@@ -5,7 +5,8 @@
 
 MUTATIONS.json lists {"name", "file", "old", "new", "tests": [...], "args": [...]}: `old`
 must occur exactly once in vllm_kvchecksum/FILE (or, with "tree": "vllm", in
-build/vllm/FILE: a patch's own vLLM code, changed in place and restored; with
+build/vllm/FILE: a patch's own vLLM code, changed in place and restored; "tree":
+"vllm-0.34.0" the same in build/vllm-0.34.0, tested on that base; with
 "tree": "scripts", in scripts/FILE, copied like the package). Each mutant is a copy of
 the package and the tests under /tmp/kvchecksum-mutants/NAME (build/ and
 .venv linked), where pytest runs: the copy comes first on sys.path, ahead
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(mutation: dict) -> bool:
-    if mutation.get("tree") == "vllm":
+    if mutation.get("tree") == "vllm" or str(mutation.get("tree", "")).startswith("vllm-"):
         return run_in_vllm_tree(mutation)
     dest = Path("/tmp/kvchecksum-mutants") / mutation["name"]
     shutil.rmtree(dest, ignore_errors=True)
@@ -63,8 +64,18 @@ def run(mutation: dict) -> bool:
 def run_in_vllm_tree(mutation: dict) -> bool:
     """A mutant of a patch's vLLM code ("tree": "vllm", `file` relative to
     build/vllm): .venv imports build/vllm itself, so the file is changed in
-    place for the run and restored from git after it, whatever happens."""
-    tree = ROOT / "build" / "vllm"
+    place for the run and restored from git after it, whatever happens.
+    "tree": "vllm-0.34.0": the same in build/vllm-0.34.0, the tests run as that
+    base runs them (its venv, the tree on PYTHONPATH, the Triton switch)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from workbench.bases import get_base
+
+    version = mutation["tree"].partition("-")[2] or None
+    base = get_base(version)
+    tree = base.tree
+    python = sys.executable if base.written_on else str(base.python)
+    env = dict(os.environ) if base.written_on else dict(os.environ, **base.test_env())
+    plugins = [f"-p{p}" for p in base.pytest_plugins]
     path = tree / mutation["file"]
     dirty = subprocess.run(["git", "status", "--porcelain", "--", mutation["file"]], cwd=tree,
                            capture_output=True, text=True, check=True).stdout.strip()
@@ -75,9 +86,9 @@ def run_in_vllm_tree(mutation: dict) -> bool:
         raise SystemExit(f"{mutation['name']}: `old` occurs {text.count(mutation['old'])} times in {path}")
     path.write_text(text.replace(mutation["old"], mutation["new"]))
     try:
-        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", *mutation.get("args", ()),
+        cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", *plugins, "-q", "-x", *mutation.get("args", ()),
                *mutation["tests"]]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     finally:
         subprocess.run(["git", "checkout", "--", mutation["file"]], cwd=tree, check=True)
     lines = proc.stdout.strip().splitlines()
