@@ -12,9 +12,11 @@
 #      metadata and the `vllm` that `python -c 'import vllm'` finds;
 #   3. this project's package, editable, without dependencies.
 #
-# Never touches .venv. Re-running does nothing while the stamp matches
-# requirements/cpu-0.34.txt, pyproject.toml and the vLLM version; FORCE=1
-# rebuilds the venv from scratch. Prints the time of each stage.
+# Never touches .venv. Two stamps in the venv: one of requirements/cpu-0.34.txt
+# and the vLLM version (when it changes, the venv is rebuilt from scratch), one
+# of pyproject.toml and setup.py (when only that changes, only this project is
+# reinstalled: seconds, not minutes). FORCE=1 rebuilds from scratch. Prints the
+# time of each stage.
 #
 #   ci/setup-0.34.sh           build, or say it is current
 #   ci/setup-0.34.sh --check   exit 0 if current, 1 if not (builds nothing)
@@ -28,18 +30,29 @@ VENV=${VENV_034:-build/venv-$VLLM_VERSION}
 PYTHON=${PYTHON:-python3}
 REQS=requirements/cpu-0.34.txt
 stamp=$VENV/.kvcs-requirements-$VLLM_VERSION
+project_stamp=$VENV/.kvcs-project
 case "${1:-}" in ""|--check) ;; *) echo "usage: $0 [--check]" >&2; exit 2;; esac
 
-want=$( { echo "vllm==$VLLM_VERSION"; cat "$REQS" pyproject.toml; } | sha256sum | cut -d' ' -f1)
+want=$( { echo "vllm==$VLLM_VERSION"; cat "$REQS"; } | sha256sum | cut -d' ' -f1)
+want_project=$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)
 if [ ! -x "$VENV/bin/python" ]; then why="no $VENV/bin/python"
 elif [ ! -f "$stamp" ]; then why="no stamp $stamp"
-elif [ "$(cat "$stamp")" != "$want" ]; then why="$REQS, pyproject.toml or the vLLM version changed since $stamp"
+elif [ "$(cat "$stamp")" != "$want" ]; then why="$REQS or the vLLM version changed since $stamp"
 else why=""; fi
+project_why=""
+if [ -z "$why" ] && { [ ! -f "$project_stamp" ] || [ "$(cat "$project_stamp")" != "$want_project" ]; }; then
+  project_why="pyproject.toml or setup.py changed since $project_stamp"
+fi
 if [ "${1:-}" = --check ]; then
-  if [ -z "$why" ]; then echo "[setup-0.34] $VENV is current"; exit 0; fi
-  echo "[setup-0.34] $VENV is not current: $why"; exit 1
+  if [ -z "$why$project_why" ]; then echo "[setup-0.34] $VENV is current"; exit 0; fi
+  echo "[setup-0.34] $VENV is not current: ${why:-$project_why}"; exit 1
 fi
 if [ -z "${FORCE:-}" ] && [ -z "$why" ]; then
+  if [ -n "$project_why" ]; then
+    echo "[setup-0.34] reinstalling this project into $VENV: $project_why"
+    "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | { grep -v "is ignored: it is neither" || true; }
+    echo "$want_project" > "$project_stamp"
+  fi
   echo "[setup-0.34] $VENV is current with $REQS and vllm==$VLLM_VERSION"
   exit 0
 fi
@@ -92,4 +105,5 @@ assert current_platform.is_cpu(), current_platform
 print('vllm', md.version('vllm'), 'torch', torch.__version__, 'platform', type(current_platform).__name__)
 "
 echo "$want" > "$stamp"
+echo "$want_project" > "$project_stamp"
 echo "[setup-0.34] $VENV built in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1))"

@@ -209,18 +209,25 @@ def test_switch_changes_nothing_on_032(tmp_path):
 # --- ci/setup-0.34.sh's stamp --------------------------------------------------------
 
 def expected_stamp() -> str:
-    data = b"vllm==0.34.0\n" + (ROOT / "requirements" / "cpu-0.34.txt").read_bytes() + (ROOT / "pyproject.toml").read_bytes()
+    data = b"vllm==0.34.0\n" + (ROOT / "requirements" / "cpu-0.34.txt").read_bytes()
     return hashlib.sha256(data).hexdigest()
 
 
-def fake_venv(path: Path, stamp: str | None) -> Path:
-    """A folder shaped like a built venv (pyvenv.cfg, bin/python), with a stamp."""
+def expected_project_stamp() -> str:
+    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "setup.py").read_bytes()).hexdigest()
+
+
+def fake_venv(path: Path, stamp: str | None, project_stamp: str | None = None) -> Path:
+    """A folder shaped like a built venv (pyvenv.cfg, bin/python), with its stamps.
+    Its python is .venv's: nothing here may get as far as running pip with it."""
     (path / "bin").mkdir(parents=True)
     (path / "pyvenv.cfg").write_text("home = /usr/bin\n")
     (path / "bin" / "python").symlink_to(sys.executable)
     (path / "keep-me").write_text("not rebuilt")
     if stamp is not None:
         (path / ".kvcs-requirements-0.34.0").write_text(stamp + "\n")
+    if project_stamp is not None:
+        (path / ".kvcs-project").write_text(project_stamp + "\n")
     return path
 
 
@@ -232,7 +239,7 @@ def setup_034(venv: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_setup_check_is_current_only_with_the_stamp_of_these_requirements(tmp_path):
     assert setup_034(tmp_path / "none", "--check").returncode == 1
-    venv = fake_venv(tmp_path / "v", expected_stamp())
+    venv = fake_venv(tmp_path / "v", expected_stamp(), expected_project_stamp())
     proc = setup_034(venv, "--check")
     assert proc.returncode == 0 and "is current" in proc.stdout
     # A current venv is left as it is: nothing installed, nothing removed.
@@ -245,6 +252,19 @@ def test_setup_check_is_current_only_with_the_stamp_of_these_requirements(tmp_pa
     assert proc.returncode == 1 and "changed since" in proc.stdout
     (venv / ".kvcs-requirements-0.34.0").unlink()
     proc = setup_034(venv, "--check")
+    assert proc.returncode == 1 and "no stamp" in proc.stdout
+
+
+def test_setup_check_a_changed_pyproject_asks_only_for_the_project_again(tmp_path):
+    venv = fake_venv(tmp_path / "v", expected_stamp(), expected_project_stamp()[::-1])
+    proc = setup_034(venv, "--check")
+    assert proc.returncode == 1 and "pyproject.toml or setup.py changed" in proc.stdout
+    (venv / ".kvcs-project").unlink()
+    proc = setup_034(venv, "--check")
+    assert proc.returncode == 1 and "pyproject.toml or setup.py changed" in proc.stdout
+    # The requirements' stamp decides a rebuild; the project's cannot stand in for it.
+    venv2 = fake_venv(tmp_path / "v2", None, expected_project_stamp())
+    proc = setup_034(venv2, "--check")
     assert proc.returncode == 1 and "no stamp" in proc.stdout
 
 
