@@ -97,13 +97,19 @@ def test_v1_runner_with_drafter_sends_checksums_from_every_pp_rank(pp, monkeypat
     # With a drafter, only the rank that drafts defers its finalization: if a
     # non-last PP rank deferred, it would never checksum the prompt, the
     # producer's sum would miss it, and every load would be unverified.
+    sent_and_verified(pp, lambda P, forward: producer_forward_step(P, forward, monkeypatch), logs)
+
+
+def sent_and_verified(pp, producer_step, logs) -> None:
+    """A producer request run through `producer_step(P, forward)` until it
+    finishes sends checksums, and its consumer's load verifies."""
     P = make_side("kv_producer", pp=pp)
     C = make_side("kv_consumer", pp=pp, fail_closed=True)
     preq = make_request(prompt_of(PROMPT), remote_decode=True)
     P.scheduler.add_request(preq)
     params = None
     for _ in range(4):
-        outputs = producer_forward_step(P, forward_of(P, preq), monkeypatch)
+        outputs = producer_step(P, forward_of(P, preq))
         if preq.request_id in outputs and outputs[preq.request_id].kv_transfer_params is not None:
             params = outputs[preq.request_id].kv_transfer_params
             break
@@ -172,17 +178,4 @@ def test_v2_runner_with_drafter_checksums_sends_after_the_drafter(pp, logs):
     # PP rank, which never defers, checksums them at once. Sends taken
     # before the drafter's writes mismatch on the consumer; sends never
     # taken leave the load unverified.
-    P = make_side("kv_producer", pp=pp)
-    C = make_side("kv_consumer", pp=pp, fail_closed=True)
-    preq = make_request(prompt_of(PROMPT), remote_decode=True)
-    P.scheduler.add_request(preq)
-    params = None
-    for _ in range(4):
-        outputs = v2_producer_forward_step(P, forward_of(P, preq))
-        if preq.request_id in outputs and outputs[preq.request_id].kv_transfer_params is not None:
-            params = outputs[preq.request_id].kv_transfer_params
-            break
-    assert params is not None and "kv_checksums" in params, logs.text
-    assert stats(P) == {"sent": 1}
-    load(C, P, preq, params)
-    assert stats(C) == {"verified": 1}, logs.text
+    sent_and_verified(pp, v2_producer_forward_step, logs)
