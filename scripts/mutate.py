@@ -73,7 +73,7 @@ def run_in_vllm_tree(mutation: dict) -> bool:
     version = mutation["tree"].partition("-")[2] or None
     base = get_base(version)
     tree = base.tree
-    python = sys.executable if base.written_on else str(base.python)
+    python = str(base.test_python)
     env = dict(os.environ) if base.written_on else dict(os.environ, **base.test_env())
     plugins = [f"-p{p}" for p in base.pytest_plugins]
     path = tree / mutation["file"]

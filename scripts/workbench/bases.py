@@ -10,6 +10,8 @@ tests only (docs/workbench.md, "Two bases").
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,16 +35,25 @@ class Base:
         """The base the series is written on (the others carry it)."""
         return self.version == DEFAULT
 
-    def test_env(self, tree: Path | None = None) -> dict[str, str]:
+    @property
+    def test_python(self) -> Path:
+        """The interpreter this base's tests run with: for the base the series
+        is written on, the workbench's own (it runs in that base's venv)."""
+        return Path(sys.executable) if self.written_on else self.python
+
+    def test_env(self, tree: Path | None = None, device: str = "cpu") -> dict[str, str]:
         """Environment for this base's test processes on `tree` (default its
-        own): a base without a CPU wheel imports vLLM from the tree on
-        PYTHONPATH and needs the Triton switch (pytest -p triton_switch)."""
+        own), vLLM imported from the tree on PYTHONPATH; a base without a CPU
+        wheel also needs the Triton switch (pytest -p triton_switch)."""
         tree = tree or self.tree
-        env = {"KVCS_VLLM_TREE": str(tree), "VLLM_TARGET_DEVICE": "cpu"}
         path = [str(tree), str(ROOT)]
         if not self.cpu_wheel:
             path.append(str(Path(__file__).resolve().parent))  # triton_switch
-        env["PYTHONPATH"] = ":".join(path)
+        env = {"KVCS_VLLM_TREE": str(tree), "PYTHONPATH": os.pathsep.join(path)}
+        if device == "cpu":
+            # On PYTHONPATH the tree's own vllm.egg-info (from the sdist) shadows
+            # the +cpu dist-info that platform detection reads.
+            env["VLLM_TARGET_DEVICE"] = "cpu"
         return env
 
     @property

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 from .gitsource import GIT_TIMEOUT_S, fetch_ref, resolve_source, sanitized_ref
@@ -36,20 +35,13 @@ def check_series(device: str = "cpu", pytest_args: list[str] | None = None, jobs
         return base_worktree(BUILD / name, device, tree=spec.tree, with_ops=spec.cpu_wheel)
 
     def env_for(wt: Path) -> dict:
-        if not spec.cpu_wheel:
-            return dict(os.environ, **spec.test_env(wt))
-        env = dict(os.environ, PYTHONPATH=f"{wt}{os.pathsep}{ROOT}", KVCS_VLLM_TREE=str(wt))
-        if device == "cpu":
-            # On PYTHONPATH the tree's own vllm.egg-info (0.32.0, from the sdist)
-            # shadows the 0.32.0+cpu dist-info that platform detection reads.
-            env["VLLM_TARGET_DEVICE"] = "cpu"
-        return env
+        return dict(os.environ, **spec.test_env(wt, device))
 
     args = [*(f"-p{plugin}" for plugin in spec.pytest_plugins), *(pytest_args or [])]
     if not spec.cpu_wheel:
         args += ["-m", "not e2e"]  # no engine on this base; cpu_runtime tests skip themselves
     outcome = LaneRunner(patches, worktree, env_for, root=ROOT, jobs=jobs, pytest_args=args,
-                         python=str(spec.python) if not spec.written_on else sys.executable,
+                         python=str(spec.test_python),
                          timings_path=BUILD / f"check-series{suffix}-timings.json",
                          log_dir=BUILD / f"check-series{suffix}-logs").run()
     print(render(outcome), flush=True)

@@ -47,17 +47,36 @@ TEST_TIMEOUT_S = 600
 
 @dataclass(frozen=True)
 class Base:
-    """One vLLM release the gate runs against: where its lists are, which
-    Python runs its tests, what else the test processes get."""
+    """One vLLM release the gate runs against: where its lists are and what
+    else its test processes get; its Python, pytest plugins and set-up
+    command are the series base's (bases.py)."""
 
     version: str
     dir: Path  # gate-files.txt, baseline.txt, flaky.txt
-    python: Path  # the interpreter of the test processes
     out: Path  # build/upstream*/{base,patched}: logs, outcomes, timings
     # Folders put after the tree and scripts/workbench on the test processes' PYTHONPATH.
     extra_path: tuple[Path, ...] = ()
-    plugins: tuple[str, ...] = ()  # pytest -p plugins (modules in scripts/workbench)
-    setup_hint: str = ""  # what makes `python` exist
+
+    @property
+    def _series_base(self):
+        from .bases import get_base as get_series_base
+
+        return get_series_base(self.version)
+
+    @property
+    def python(self) -> Path:
+        """The interpreter of the test processes."""
+        return self._series_base.test_python
+
+    @property
+    def plugins(self) -> tuple[str, ...]:
+        """pytest -p plugins (modules in scripts/workbench)."""
+        return self._series_base.pytest_plugins
+
+    @property
+    def setup_hint(self) -> str:
+        """What makes `python` exist."""
+        return self._series_base.setup
 
     @property
     def gate_files_path(self) -> Path:
@@ -73,15 +92,12 @@ class Base:
 
 
 DEFAULT_BASE = "0.32.0"
-VENV_034 = BUILD / "venv-0.34.0"
 BASES = {
     # Today's gate, unchanged: .venv runs it (the Python running the workbench).
-    "0.32.0": Base("0.32.0", UPSTREAM, Path(sys.executable), BUILD / "upstream",
-                   extra_path=(SITE_HOOKS, GATE_SITE), setup_hint="make setup"),
+    "0.32.0": Base("0.32.0", UPSTREAM, BUILD / "upstream", extra_path=(SITE_HOOKS, GATE_SITE)),
     # vLLM 0.34.0: build/venv-0.34.0 (torchvision that loads beside its torch:
     # no site hook, no gate-only packages) and the Triton switch.
-    "0.34.0": Base("0.34.0", UPSTREAM / "v0.34.0", VENV_034 / "bin" / "python", BUILD / "upstream-0.34.0",
-                   plugins=("triton_switch",), setup_hint="make setup-0.34"),
+    "0.34.0": Base("0.34.0", UPSTREAM / "v0.34.0", BUILD / "upstream-0.34.0"),
 }
 
 
@@ -253,10 +269,8 @@ def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only
     b = get_base(base)
     check_python(b)
     if tree is None and not record and b.version != DEFAULT_BASE:
-        from .bases import get_base as get_series_base
-
         # The maintainer's tree of that base: its sdist + its series (make setup-0.34).
-        tree = get_series_base(b.version).tree
+        tree = b._series_base.tree
         if not (tree / "vllm" / "__init__.py").exists():
             raise SeriesError(f"the vLLM {b.version} gate runs on the patched tree {tree}, which does not "
                               f"exist: run `make setup-0.34`, or name a tree with --tree PATH")
