@@ -9,21 +9,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
-TREE=$PWD/build/vllm-0.34.0
-PY=build/venv-0.34.0/bin/python
-for need in "$PY" "$TREE/vllm/__init__.py"; do
-  [ -e "$need" ] || { echo "[test-0.34] $need is missing: run make setup-0.34" >&2; exit 2; }
-done
 status=0
 echo "== project tests on vLLM 0.34.0 (tests/unit, tests/integration; not e2e or cpu_runtime) =="
-PYTHONPATH="$TREE:$PWD:$PWD/scripts/workbench" KVCS_VLLM_TREE="$TREE" VLLM_TARGET_DEVICE=cpu \
-  "$PY" -m pytest -p no:cacheprovider -p triton_switch -q -n 2 -m "not e2e" tests/unit tests/integration \
-  || status=$?
+# The tree, venv, PYTHONPATH and Triton switch of the base: scripts/workbench/bases.py.
+(cd scripts && ../.venv/bin/python -m workbench pytest --base 0.34.0 -- \
+  -p no:cacheprovider -q -n 2 -m "not e2e" tests/unit tests/integration) || status=$?
 if [ "$status" = 5 ]; then echo "pytest collected no tests: that is a failure" >&2; fi
 echo "project tests on 0.34.0 took $(( $(date +%s) - start )) s"
 if [ "${1:-}" = --gate ]; then
   echo "== upstream regression gate on vLLM 0.34.0 =="
-  (cd scripts && ../.venv/bin/python -m workbench upstream --base 0.34.0 --tree "$TREE" --jobs 2) \
+  (cd scripts && ../.venv/bin/python -m workbench upstream --base 0.34.0 --jobs 2) \
     || status=$((status ? status : 1))
 fi
 echo "make test-0.34 took $(( $(date +%s) - start )) s"

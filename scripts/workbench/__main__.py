@@ -4,6 +4,7 @@
     python -m workbench apply DIR | unapply DIR | state DIR
     python -m workbench refresh [--base 0.32.0|0.34.0]
     python -m workbench in-step [--record]
+    python -m workbench pytest [--base 0.34.0] -- PYTEST_ARGS
     python -m workbench check-series [--device cpu|cuda] [--jobs N]
     python -m workbench rebase-check VERSION | --git URL_OR_PATH [--ref REF]
     python -m workbench upstream [--base 0.32.0|0.34.0] [--record] [--jobs N] [--tree DIR]
@@ -66,6 +67,22 @@ def cmd_refresh(args) -> int:
     base = get_base(args.base)
     print(refresh(base.tree, base.patches))
     return 0
+
+
+def cmd_pytest(args) -> int:
+    """pytest on a base's tree, as that base runs its tests (bases.Base.test_env)."""
+    import os
+    import subprocess
+
+    from .bases import get_base
+
+    spec = get_base(args.base)
+    for need in (spec.test_python, spec.tree / "vllm" / "__init__.py"):
+        if not need.exists():
+            raise SeriesError(f"{need} is missing: run `{spec.setup}`")
+    pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    cmd = [str(spec.test_python), "-m", "pytest", *(f"-p{p}" for p in spec.pytest_plugins), *pytest_args]
+    return subprocess.run(cmd, cwd=PATCHES.parent, env=dict(os.environ, **spec.test_env())).returncode
 
 
 def cmd_in_step(args) -> int:
@@ -153,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("refresh", help="rewrite patches/ from build/vllm")
     p.add_argument("--base", default=None, metavar="VERSION", help=base_help)
     p.set_defaults(func=cmd_refresh)
+    p = sub.add_parser("pytest", help="pytest on a base's patched tree, with its venv and settings")
+    p.add_argument("--base", default=None, metavar="VERSION", help=base_help)
+    p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="pytest's arguments (after --)")
+    p.set_defaults(func=cmd_pytest)
     p = sub.add_parser("in-step", help="the series on each other base is in step with v0.32.0")
     p.add_argument("--record", action="store_true", help="record the current digests first (after porting)")
     p.set_defaults(func=cmd_in_step)

@@ -21,9 +21,9 @@ the gate's baseline, recorded on unpatched 0.34.0 under this same switch,
 leaves such tests out.
 
 Where it is used. The 0.34 upstream gate passes `-p triton_switch` to its test
-processes (scripts/workbench/ is on their PYTHONPATH); the project's own tests
-can do the same: `PYTHONPATH=scripts/workbench build/venv-0.34.0/bin/python -m
-pytest -p triton_switch ...`. Nothing is installed into a venv. On a vLLM
+processes (scripts/workbench/ is on their PYTHONPATH); so does `python -m
+workbench pytest --base 0.34.0` for the project's own tests (bases.py).
+Nothing is installed into a venv. On a vLLM
 whose config check does not refuse (0.32.0 only warns), it changes nothing.
 Child processes (engine cores, `python -c` subprocesses) do not load it.
 """
