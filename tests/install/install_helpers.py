@@ -89,3 +89,24 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli_main(list(args))
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def check_undo_refuses_a_file_changed_since_the_apply(site: Path, rel: str, before: dict[str, str]) -> None:
+    """On `site`, with the series applied (its files were `before`): a change
+    to `rel` makes undo refuse, naming it, without touching a file, and status
+    say so; with `rel` back as applied, undo restores `before` exactly."""
+    patched = (site / rel).read_bytes()
+    edit(site / rel, patched + b"# a hotfix by someone else\n")
+    applied = snapshot(site)
+    result = run_cli("undo", "--site", str(site))
+    assert result.returncode == 2
+    assert "changed since the series was applied" in result.stderr and rel in result.stderr
+    assert snapshot(site) == applied
+    status = run_cli("status", "--site", str(site))
+    assert status.returncode == 1
+    assert "changed since the apply (undo will refuse)" in status.stdout and rel in status.stdout
+    edit(site / rel, patched)
+    result = run_cli("undo", "--site", str(site))
+    assert result.returncode == 0, result.stderr
+    assert "restored, sha256 as in RECORD" in result.stdout
+    assert snapshot(site) == before

@@ -186,21 +186,7 @@ def test_another_vllm_version_is_refused(site, series, version, says):
 def test_undo_refuses_over_a_file_changed_since_the_apply(site, series):
     before = snapshot(site)
     inplace.apply(inplace.find_install(site), series)
-    rel = series.runtime_paths()[3]
-    patched = (site / rel).read_bytes()
-    edit(site / rel, patched + b"# a hotfix by someone else\n")
-    applied = snapshot(site)
-    result = run_cli("undo", "--site", str(site))
-    assert result.returncode == 2
-    assert "changed since the series was applied" in result.stderr and rel in result.stderr
-    assert snapshot(site) == applied
-    status = run_cli("status", "--site", str(site))
-    assert status.returncode == 1 and "changed since the apply" in status.stdout and rel in status.stdout
-    edit(site / rel, patched)
-    result = run_cli("undo", "--site", str(site))
-    assert result.returncode == 0, result.stderr
-    assert "restored, sha256 as in RECORD" in result.stdout
-    assert snapshot(site) == before
+    install_helpers.check_undo_refuses_a_file_changed_since_the_apply(site, series.runtime_paths()[3], before)
 
 
 def test_undo_refuses_a_backup_that_does_not_match_record(site, series):

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 import vllm034_venv
-from install_helpers import ROOT, edit, git_apply_reference, record_verifies, run_cli, snapshot
+from install_helpers import (ROOT, check_undo_refuses_a_file_changed_since_the_apply, edit, git_apply_reference,
+                             record_verifies, run_cli, snapshot)
 
 from vllm_kvchecksum.install import inplace, record
 from vllm_kvchecksum.install import series as series_mod
@@ -227,18 +228,7 @@ def test_undo_refuses_a_file_changed_since_the_apply_on_0_34(site_copy):
     assert out.returncode == 0, out.stderr
     rel = "vllm/v1/worker/gpu/kv_connector.py"  # Model Runner V2's connector glue: 0.34's own hook file
     assert rel in default_series("0.34.0").runtime_paths()
-    patched = (site_copy / rel).read_bytes()
-    edit(site_copy / rel, patched + b"# a hotfix by someone else\n")
-    applied = snapshot(site_copy)
-    out = run_cli("undo", "--site", str(site_copy))
-    assert out.returncode == 2 and "changed since the series was applied" in out.stderr and rel in out.stderr
-    assert snapshot(site_copy) == applied
-    out = run_cli("status", "--site", str(site_copy))
-    assert out.returncode == 1 and "changed since the apply (undo will refuse)" in out.stdout and rel in out.stdout
-    edit(site_copy / rel, patched)
-    out = run_cli("undo", "--site", str(site_copy))
-    assert out.returncode == 0, out.stderr
-    assert snapshot(site_copy) == before
+    check_undo_refuses_a_file_changed_since_the_apply(site_copy, rel, before)
 
 
 def test_a_0_34_file_edited_since_install_is_refused(site_copy):

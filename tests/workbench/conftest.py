@@ -7,13 +7,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from workbench import series as S  # noqa: E402  (needs scripts/ on sys.path)
-
-
-def write_files(tree: Path, files: dict[str, str]) -> None:
-    for rel, text in files.items():
-        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tree / rel).write_text(text)
+from series_building import commit_series, write_files  # noqa: E402  (needs scripts/ on sys.path)
+from workbench import series as S  # noqa: E402
 
 
 @pytest.fixture
@@ -29,16 +24,8 @@ def synthetic_series(tmp_path):
         write_files(work, {"PKG-INFO": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n",
                            "vllm/__init__.py": "", **base})
         S.init_base_repo(work)
-        for subject, files in edits:
-            write_files(work, files)
-            S.run(["git", "add", "-A"], cwd=work)
-            # Fixed dates: the same edits give the same patch files.
-            S.run(["git", "commit", "-q", "-m", subject], cwd=work,
-                  env={"GIT_AUTHOR_DATE": S.BASE_DATE, "GIT_COMMITTER_DATE": S.BASE_DATE})
         patches = tmp_path / "patches"
-        patches.mkdir()
-        S.refresh(work, patches)
-        S.run(["git", "reset", "-q", "--hard", S.BASE_TAG], cwd=work)
+        commit_series(work, edits, patches)
         shutil.rmtree(work / ".git")
         return work, patches
 

@@ -37,15 +37,18 @@ def _edit(path, old, new):
     path.write_text(text.replace(old, new, 1))
 
 
-def _first_added_line(path):
-    return next(ln for ln in path.read_text().splitlines() if ln.startswith("+") and not ln.startswith("+++"))
+def _change_an_added_line(series_dir, index):
+    """Change the first added line of the series' patch `index`; its name."""
+    name = read_series(series_dir)[index].name
+    line = next(ln for ln in (series_dir / name).read_text().splitlines()
+                if ln.startswith("+") and not ln.startswith("+++"))
+    _edit(series_dir / name, line, line + "  # changed")
+    return name
 
 
 def test_a_change_on_v0_32_only_is_named_until_carried_and_recorded(copies):
     src, tgt = copies
-    name = read_series(src)[5].name
-    line = _first_added_line(src / name)
-    _edit(src / name, line, line + "  # changed")
+    name = _change_an_added_line(src, 5)
     problems = check(src, tgt)
     assert len(problems) == 1 and name in problems[0] and "changed on v0.32.0" in problems[0]
     record(src, tgt)
@@ -54,9 +57,7 @@ def test_a_change_on_v0_32_only_is_named_until_carried_and_recorded(copies):
 
 def test_a_change_on_v0_34_only_is_named(copies):
     src, tgt = copies
-    name = read_series(tgt)[3].name
-    line = _first_added_line(tgt / name)
-    _edit(tgt / name, line, line + "  # changed")
+    name = _change_an_added_line(tgt, 3)
     problems = check(src, tgt)
     assert len(problems) == 1 and name in problems[0] and "make the same change on v0.32.0" in problems[0]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from series_building import commit_series
 from workbench import lanes as L
 from workbench import series as S
 from workbench.tree import PATCHES, ROOT
@@ -139,17 +140,9 @@ def _series(tmp_path: Path, edits: list[tuple[str, dict[str, str], list[str]]]):
     (base / "vllm").mkdir(parents=True)
     (base / "vllm" / "__init__.py").write_text("")
     S.init_base_repo(base)
-    for subject, files, tests in edits:
-        for rel, text in files.items():
-            (base / rel).write_text(text)
-        S.run(["git", "add", "-A"], cwd=base)
-        message = subject + ("\n\nTests: " + " ".join(tests) if tests else "")
-        S.run(["git", "commit", "-q", "-m", message], cwd=base,
-              env={"GIT_AUTHOR_DATE": S.BASE_DATE, "GIT_COMMITTER_DATE": S.BASE_DATE})
     patches_dir = tmp_path / "patches"
-    patches_dir.mkdir()
-    S.refresh(base, patches_dir)
-    S.run(["git", "reset", "-q", "--hard", S.BASE_TAG], cwd=base)
+    commit_series(base, [(subject + ("\n\nTests: " + " ".join(tests) if tests else ""), files)
+                         for subject, files, tests in edits], patches_dir)
     root = tmp_path / "proj"
     for rel, text in TEST_OF.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
