@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 from kvcs_demo import alerts, prom
-from kvcs_demo.client import completion, error_of, text_of
+from kvcs_demo.client import OUTPUT_TOKENS, completion, error_of, text_of
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
 from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_transfer_config, make_models,
                               mooncake_bootstrap, push_target, server_argv, server_env)
@@ -201,6 +201,10 @@ class RequestResult:
     # proxy, and the producer's own single-engine output (None: not asked for).
     output: str | None = None
     reference: str | None = None
+    # Why a verified load's output differs from the reference (kvcs_soak.outputs:
+    # kv_differs, kv_same_output_differs: numerics, ...), and its evidence.
+    output_class: str | None = None
+    output_evidence: dict | None = None
 
 
 @dataclass
@@ -248,7 +252,7 @@ def judge(res: RequestResult, setup: Setup) -> None:
     must_equal = (not failed_check or setup.policy == "recompute" or res.expected == "unverified") \
         and res.phase != "change_tail"
     if res.status == 200 and must_equal and not res.output_equal:
-        problems.append("output differs from the single-engine reference")
+        problems.append(OUTPUT_PROBLEM)
     res.problem = "; ".join(problems)
     res.ok = not problems
 
@@ -368,6 +372,72 @@ def join_where(setup: Setup, phases: list[PhaseResult]) -> None:
             r.ok = False
 
 
+OUTPUT_PROBLEM = "output differs from the single-engine reference"
+
+
+def load_truths(setup: Setup) -> dict[str, str]:
+    """Each consumer request's load ground truth from both witness files
+    ("clean", "victim", ...; kvcs_soak.truth), by request id."""
+    from kvcs_soak import truth  # the soak's judge of the witness lines (scripts/kvcs_soak)
+
+    if not setup.witness_paths:
+        return {}
+    sends = truth.read_lines(setup.witness_paths["producer"])
+    loads = truth.read_lines(setup.witness_paths["consumer"])
+    out: dict[str, str] = {}
+    for t in truth.judge_loads(sends, loads, set()):
+        out[t.request_id] = "victim" if "victim" in (out.get(t.request_id), t.truth) else t.truth
+    return out
+
+
+def explain_outputs(setup: Setup, proxy: str, phases: list[PhaseResult]) -> None:
+    """Why each verified load's output differs from the reference, once the setup's phases ran.
+
+    The evidence (kvcs_soak.outputs): the witness digests of the bytes the
+    consumer used against those the producer sent; the same prompt on the
+    producer alone again and sent at once with other prompts; for
+    change_tail, the same prompt through the same P/D path without the
+    change. A difference shown to be numerics is no problem of the request
+    (the KV was the producer's); any other is one, but for change_tail,
+    whose output is reported and not judged.
+    """
+    from kvcs_soak import outputs
+
+    reqs = [r for ph in phases for r in ph.requests if r.verdict == "verified" and r.status == 200
+            and r.reference is not None and r.output is not None and r.output != r.reference]
+    if not reqs:
+        return
+    truths = load_truths(setup)
+    with httpx.Client(trust_env=False) as client:
+        def complete(prompt: str, max_tokens: int) -> str | None:
+            status, body = completion(client, setup.urls["producer"], prompt, max_tokens=max_tokens)
+            return text_of(body) if status == 200 else None
+
+        for r in reqs:
+            prompt = prompt_of(r.request_id)
+            kv = next((v for rid, v in truths.items() if r.request_id in rid), None)
+            ev = outputs.OutputEvidence(r.request_id, r.output, r.reference, kv)
+            if r.phase == "change_tail":
+                set_faults(setup, None)
+                status, body = completion(client, f"{proxy}/pairs/{setup.name}", prompt,
+                                          request_id=f"{r.request_id}.rerun")
+                ev.tail_rerun = text_of(body) if status == 200 else None
+            # Companions that keep decoding while the prompt's OUTPUT_TOKENS are.
+            companions = [(prompt_of(f"{r.request_id}.companion.{i}"), 2 * OUTPUT_TOKENS)
+                          for i in range(outputs.BATCH_COMPANIONS)]
+            if kv == "clean":
+                ev.alone, ev.batched = outputs.probe(complete, prompt, OUTPUT_TOKENS, r.reference, companions)
+            r.output_class, why = outputs.classify(ev)
+            r.output_evidence = {**vars(ev), "why": why}
+            log(f"[{setup.name}] {r.phase}: output differs from the reference: {r.output_class} ({why})")
+            if r.phase == "change_tail":
+                continue  # its verdict is judged, its output reported (docs/e2e.md)
+            problems = [p for p in r.problem.split("; ") if p and p != OUTPUT_PROBLEM]
+            if r.output_class != outputs.NUMERICS:
+                problems.append(f"{OUTPUT_PROBLEM}: {r.output_class} ({why})")
+            r.problem, r.ok = "; ".join(problems), not problems
+
+
 def wait_ready(group: ProcessGroup, servers: list, setup: Setup, t0: float,
                up: threading.Event | None = None) -> None:
     group.wait_healthy(servers, timeout=STARTUP_TIMEOUT_S, progress=lambda line: log(f"[{setup.name}] {line}"),
@@ -389,6 +459,7 @@ def run_setup(setup: Setup, proxy: str, kinds: list[str], n: int, out: dict, err
     try:
         _run_phases(setup, proxy, kinds, n, phases, prometheus)
         join_where(setup, phases)
+        explain_outputs(setup, proxy, phases)
     except Exception as exc:  # reported as a failure of the setup, never a silent pass
         errors[setup.name] = f"{type(exc).__name__}: {exc}"
         log(f"[{setup.name}] stopped: {errors[setup.name]}")
@@ -526,9 +597,16 @@ def server_specs(setups: list[Setup], device: str, work: Path, python: str) -> d
                 s.producer_injections_path.write_text("")
             set_faults(s, None)
             consumer = role == "kv_consumer"
+            # The ground truth of each transfer, where both sides run the
+            # drill connector: what an output that differs from the reference
+            # is judged by (explain_outputs).
+            if s.faults and s.checksums:
+                s.witness_paths[side] = work / f"{s.name}.{side}.witness.jsonl"
+                s.witness_paths[side].write_text("")
             kv = kv_transfer_config(s, role, device,
                                     control_path=s.control_path if consumer else s.producer_control_path,
-                                    injections_path=s.injections_path if consumer else s.producer_injections_path)
+                                    injections_path=s.injections_path if consumer else s.producer_injections_path,
+                                    witness_path=s.witness_paths.get(side))
             tp = s.producer_tp if side == "producer" else s.consumer_tp
             gpus = list(range(gpu, gpu + tp)) if device == "cuda" else None
             gpu += tp if device == "cuda" else 0
@@ -609,6 +687,7 @@ def build_report(args, setups, results, hostile, ttft, startup, wall, errors=Non
                                 "output_equal": r.output_equal, "ok": r.ok, "problem": r.problem,
                                 "where": r.where, "producer_recheck": r.producer_recheck,
                                 "output": r.output, "reference": r.reference,
+                                "output_class": r.output_class, "output_evidence": r.output_evidence,
                                 "timings_ms": {k: round(v, 1) for k, v in r.timings.items()}}
                                for r in reqs],
             })
@@ -659,7 +738,10 @@ TABLE_LEGEND = (
     "that must be; change_tail must verify, drop_checksums must be unverified).",
     "false: mismatches where none was expected (must be 0).",
     "out=ref: outputs equal to the producer's own single-engine output / outputs returned (a failed check under "
-    "policy fail returns none: 0/0; fail-open returns the output of the bad KV).",
+    "policy fail returns none: 0/0; fail-open returns the output of the bad KV). A verified load whose output "
+    "differs gets a line under its setup: kv_differs (the bytes the consumer used are not the bytes the producer "
+    "sent), or kv_same_output_differs: numerics (the same bytes, and the producer's own output for the prompt "
+    "changes with the batch: this CPU's arithmetic, not the KV).",
     "where: where each mismatch happened, from both servers' incident lines: \"intact on P\" (the producer's "
     "re-check found its KV as sent: the fault was on the way or on the consumer), \"changed on P\" (the KV changed "
     "on the producer before its transfer completed), \"released on P\" (read after the producer released it), "
@@ -693,6 +775,11 @@ def print_table(report: dict) -> None:
                 f"{total('loads_mismatched'):>5} {total('loads_unverified'):>5} "
                 f"{(f'{detected}/{len(detectable)}' if detectable else '-'):>8} {ph['false_mismatches']:>5} "
                 f"{ph['outputs_equal']}/{ph['outputs']:<5}  {where_column(inj):<20} {pos}")
+        for ph in s["phases"]:
+            for i in ph["injections"]:
+                if i.get("output_class"):
+                    log(f"{s['name']:<16} {ph['phase']:<17} output differs from the reference: {i['output_class']} "
+                        f"({i['output_evidence']['why']})")
         for h in s.get("hostile_client", []):
             log(f"{s['name']:<16} {'hostile:' + h['payload']:<24} HTTP {h['status']}, {h['verdict']} ({h['reason']}), "
                 f"next request HTTP {h['next_request_status']}")

@@ -67,6 +67,9 @@ class Setup:
     # The producer's drill connector (faults in its held sends, target "sends").
     producer_control_path: Path | None = None
     producer_injections_path: Path | None = None
+    # Ground truth (the drill's witness_path): digests of the bytes each
+    # producer request sent and each load received (kvcs_soak.truth).
+    witness_paths: dict[str, Path] = field(default_factory=dict)
 
     @property
     def fail_closed(self) -> bool:
@@ -136,7 +139,7 @@ def mooncake_bootstrap(setup: Setup) -> str:
 
 
 def kv_transfer_config(setup: Setup, role: str, device: str, *, control_path: Path | None = None,
-                       injections_path: Path | None = None, seed: int = 0) -> dict:
+                       injections_path: Path | None = None, seed: int = 0, witness_path: Path | None = None) -> dict:
     """The --kv-transfer-config of one server of the pair.
 
     With checksums the producer re-checks its KV when each transfer completes
@@ -170,6 +173,8 @@ def kv_transfer_config(setup: Setup, role: str, device: str, *, control_path: Pa
             faults["control_path"] = str(control_path)
         if injections_path is not None:
             faults["log_path"] = str(injections_path)
+        if witness_path is not None:
+            faults["witness_path"] = str(witness_path)
         config.update(kv_connector="KVChecksumFaultConnector",
                       kv_connector_module_path="vllm_kvchecksum.drills.fault_connector",
                       kv_connector_extra_config={"connectors": [nixl], "kv_checksum_faults": faults})

@@ -57,7 +57,9 @@ from kvcs_demo.setups import (BLOCK_SIZE, CONNECTORS, MAX_MODEL_LEN, MODES, MOON
                               make_models, mooncake_bootstrap, producer_engine_id, push_target, server_argv,
                               server_env)
 from kvcs_demo.summary import log
-from kvcs_soak import plots, truth
+from kvcs_demo.client import completion as one_completion
+from kvcs_demo.client import text_of
+from kvcs_soak import outputs, plots, truth
 from vllm_kvchecksum.engine import incident, metrics
 
 STARTUP_TIMEOUT_S = 900.0
@@ -140,6 +142,7 @@ class Answer:
     disconnected: bool
     latency_s: float
     started_s: float = 0.0  # time.monotonic() when it was sent
+    text: str | None = None  # the completion's text of a 200 answer (non-streaming)
 
 
 def send(client: httpx.Client, urls: dict[str, str], req: Planned) -> Answer:
@@ -169,13 +172,18 @@ def send(client: httpx.Client, urls: dict[str, str], req: Planned) -> Answer:
                       req.disconnect_after_s is not None, time.monotonic() - t0)
     except httpx.HTTPError as exc:
         return Answer(req.index, None, f"{type(exc).__name__}: {exc}", False, time.monotonic() - t0)
-    error = None
+    error, text = None, None
     if r.status_code != 200:
         try:
             error = str(r.json().get("error", {}).get("message") or r.text[:300])
         except ValueError:
             error = r.text[:300]
-    return Answer(req.index, r.status_code, error, False, time.monotonic() - t0)
+    else:
+        try:
+            text = r.json()["choices"][0]["text"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            text = None
+    return Answer(req.index, r.status_code, error, False, time.monotonic() - t0, text=text)
 
 
 def abort_push_write(client: httpx.Client, urls: dict, req: Planned, body: dict, t0: float) -> Answer:
@@ -654,6 +662,78 @@ def judge_rechecks(report: dict, rechecks: dict[str, int], sent: int, died: bool
     report["ok"] = not report["failures"]
 
 
+
+def kv_truth_by_client(truths) -> dict[int, str]:
+    """Each client's load ground truth for its answer: "victim" when any of
+    its loads was one, "clean" when every one was clean, else what they were
+    (e.g. "unknown"); clients with no witnessed load are absent."""
+    seen: dict[int, set[str]] = {}
+    for t in truths:
+        index = truth.client_index(t.request_id)
+        if index is not None:
+            seen.setdefault(index, set()).add(t.truth)
+    return {i: "victim" if "victim" in s else "clean" if s == {"clean"} else "+".join(sorted(s))
+            for i, s in seen.items()}
+
+
+def check_outputs(producer_url: str, planned: list[Planned], answers: list[Answer], truths, limit: int,
+                  proxy_url: str | None = None) -> dict:
+    """The answers' texts against the producer's one-at-a-time reference, each
+    differing one classified by its evidence (kvcs_soak.outputs): its load's
+    witness digests, and the same prompt on the producer alone and batched.
+
+    Runs after the traffic, with nothing else sent to the producer: the
+    first `limit` answers with a text (200, not streamed), one at a time."""
+    kv = kv_truth_by_client(truths)
+    chosen = [a for a in answers if a.status == 200 and a.text is not None][:limit]
+    # Companions for the batched runs: prompts of the run that leave room for 96 more tokens.
+    room = [p for p in planned if len(p.prompt.split()) + 96 + 8 <= MAX_MODEL_LEN]
+    with httpx.Client(trust_env=False) as client:
+        def complete(prompt: str, max_tokens: int) -> str | None:
+            try:
+                status, body = one_completion(client, producer_url, prompt, max_tokens=max_tokens)
+            except httpx.HTTPError:
+                return None
+            return text_of(body) if status == 200 else None
+
+        evidence = []
+        for a in chosen:
+            req = planned[a.index]
+            evidence.append(outputs.OutputEvidence(f"soak-{a.index}", a.text, complete(req.prompt, req.max_tokens),
+                                                   kv.get(a.index)))
+        for ev in evidence:
+            if ev.output != ev.reference and ev.kv == "clean":
+                req = planned[int(ev.request_id.removeprefix("soak-"))]
+                companions = [(p.prompt, 96) for p in room if p.index != req.index][:outputs.BATCH_COMPANIONS]
+                ev.alone, ev.batched = outputs.probe(complete, req.prompt, req.max_tokens, ev.reference, companions,
+                                                    seed=req.index)
+                if proxy_url is not None:  # the same request through the same P/D path, alone
+                    try:
+                        r = client.post(f"{proxy_url}/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                                        json={"model": "", "prompt": req.prompt, "max_tokens": req.max_tokens,
+                                              "temperature": 0}, headers={"X-Request-Id": f"soak-{req.index}-alone"})
+                        ev.pd_alone = text_of(r.json()) if r.status_code == 200 else None
+                    except (httpx.HTTPError, ValueError):
+                        ev.pd_alone = None
+    judged = outputs.judge(evidence)
+    for d in judged["differing"]:
+        d["max_tokens"] = planned[int(d["request_id"].removeprefix("soak-"))].max_tokens
+    judged["texts"] = [[ev.request_id, ev.output, ev.reference] for ev in evidence]
+    log(f"outputs: {outputs.summary_line(judged)}")
+    return judged
+
+
+def judge_outputs(report: dict) -> None:
+    """An answer whose load's bytes were the producer's yet whose output
+    differs from the reference for no reason shown (no batch effect on the
+    producer) fails the run: that is what a verify must rule out."""
+    judged = report.get("outputs")
+    if judged and judged.get(outputs.UNEXPLAINED):
+        ids = [d["request_id"] for d in judged["differing"] if d["verdict"] == outputs.UNEXPLAINED]
+        report["failures"].append(f"{len(ids)} outputs differ from the one-at-a-time reference with the same KV "
+                                  f"bytes and no batch effect shown on the producer: {ids[:10]}")
+    report["ok"] = not report["failures"]
+
 # The most a server's RSS may grow in the second wave, as a share of its RSS
 # after the first: the second wave repeats the first's traffic, so a steady
 # server stays flat (0 to 4 MiB of about 2.4 GiB in the runs of 2026-12-05);
@@ -810,6 +890,8 @@ def print_table(report: dict) -> None:
         ("RSS", ", ".join(f"{side} {report['rss_mb']['wave1'][side]:.0f} MiB after wave 1, "
                           f"{growth:+.0f} MiB in wave 2" for side, growth in report["rss_growth_wave2_mb"].items())),
     ]
+    if report.get("outputs"):
+        rows.append(("outputs", outputs.summary_line(report["outputs"])))
     ratios = (report.get("cost") or {}).get("ratios")
     if ratios:
         rows.append(("cost, on / off", f"latency p50 {ratios['p50_ms']:.2f}, p99 {ratios['p99_ms']:.2f}, throughput "
@@ -895,6 +977,12 @@ def parse_args(argv=None):
     p.add_argument("--cost", type=int, default=0,
                    help="then this many requests against the pair and against the same stack with checksums off, "
                         "one pair at a time: latency p50/p99 and throughput, on / off (default 0: not measured)")
+    p.add_argument("--outputs", type=int, default=0,
+                   help="after the traffic, compare the texts of this many answers with the producer's greedy "
+                        "output for the same prompt computed alone, and classify each that differs: kv_differs "
+                        "(its load's bytes differ from what was sent) or kv_same_output_differs: numerics (the "
+                        "same bytes; the producer's own output for the prompt changes with the batch) "
+                        "(default 0: not compared; about 1 s per answer here)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ci", action="store_true",
                    help=f"the CI-sized run: {CI_PRESET['requests']} requests, {CI_PRESET['concurrency']} in flight, "
@@ -994,6 +1082,11 @@ def main(argv=None) -> int:
         # The ground truth of the run, before the cost phase adds loads of its own.
         sends = truth.read_lines(work / "producer.witness.jsonl")
         consumer_lines = truth.read_lines(work / "consumer.witness.jsonl")
+        judged_outputs = None
+        if args.outputs:
+            judged_outputs = check_outputs(setup.urls["producer"], planned, answers, truth.judge_loads(
+                sends, consumer_lines, truth.mismatched_requests(setup.logs["consumer"].read_text(errors="replace"))),
+                args.outputs, proxy.url if args.proxy == "project" else None)
         cost = measure_cost(args, group, setup, servers, proxy, work) if args.cost else None
     counts = {side: diff(after[side], before[side]) for side in after}
     if producer_lost:
@@ -1009,6 +1102,8 @@ def main(argv=None) -> int:
     judge_where(report, args.mode, death is not None)
     judge_rechecks(report, rechecks, int(counts["producer"].get("sent", 0)), death is not None)
     judge_reads_after_release(report, truths, late_reads, late_counted, args.mode, death is not None)
+    report["outputs"] = judged_outputs
+    judge_outputs(report)
     report["cost"] = cost
     report["timeline"] = timeline
     report["latencies"] = latencies(answers, cost)

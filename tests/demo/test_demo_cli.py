@@ -963,7 +963,8 @@ def test_build_report_schema_and_values():
         "request_id": "demo.llama.flip_bit.000.r", "kind": "flip_bit", "group": 0, "positions": [3, 1],
         "block_ids": [11, 13], "skipped": None, "expected": "mismatch", "verdict": "mismatch", "reason": None,
         "reported": {"0": [1, 3]}, "status": 503, "output_equal": None, "ok": True, "problem": "",
-        "where": None, "producer_recheck": None, "output": None, "reference": None, "timings_ms": {}}]
+        "where": None, "producer_recheck": None, "output": None, "reference": None, "output_class": None,
+        "output_evidence": None, "timings_ms": {}}]
 
 
 def test_an_alert_problem_fails_the_run():
