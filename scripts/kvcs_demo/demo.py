@@ -41,8 +41,8 @@ import httpx
 from kvcs_demo import alerts, prom
 from kvcs_demo.client import OUTPUT_TOKENS, completion, error_of, text_of
 from kvcs_demo.servers import ProcessGroup, ServerSpec, free_port_block
-from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_setups, kv_transfer_config, make_models,
-                              mooncake_bootstrap, push_target, server_argv, server_env)
+from kvcs_demo.setups import (MODES, ROOT, Setup, cpu_setups, gpu_plan, gpu_setups, kv_transfer_config, make_models,
+                              mooncake_bootstrap, push_target, server_argv, server_env, visible_gpus)
 from kvcs_demo.store import STORE_FAULTS, expand_positions
 from kvcs_demo.summary import log, log_ending
 from vllm_kvchecksum.engine import incident
@@ -574,10 +574,13 @@ def measure_ttft(on: Setup, off: Setup, proxy: str, n: int) -> dict:
 
 # ----------------------------------------------------------------- servers
 
-def server_specs(setups: list[Setup], device: str, work: Path, python: str) -> dict[str, list[ServerSpec]]:
-    """Each setup's producer and consumer command lines, on free ports."""
+def server_specs(setups: list[Setup], device: str, work: Path, python: str,
+                 gpus: list[str] | None = None) -> dict[str, list[ServerSpec]]:
+    """Each setup's producer and consumer command lines, on free ports; on
+    cuda, on GPUs from `gpus` (gpu_plan: shared when there are fewer than
+    the servers need)."""
     specs: dict[str, list[ServerSpec]] = {}
-    gpu = 0
+    plan, util = gpu_plan(setups, gpus or []) if device == "cuda" else ({}, None)
     for s in setups:
         for role, side in (("kv_producer", "producer"), ("kv_consumer", "consumer")):
             port = free_port_block(1)
@@ -607,15 +610,13 @@ def server_specs(setups: list[Setup], device: str, work: Path, python: str) -> d
                                     control_path=s.control_path if consumer else s.producer_control_path,
                                     injections_path=s.injections_path if consumer else s.producer_injections_path,
                                     witness_path=s.witness_paths.get(side))
-            tp = s.producer_tp if side == "producer" else s.consumer_tp
-            gpus = list(range(gpu, gpu + tp)) if device == "cuda" else None
-            gpu += tp if device == "cuda" else 0
             s.logs[side] = work / f"{s.name}.{side}.log"
             s.urls[side] = f"http://127.0.0.1:{port}"
             s.side_ports[side] = side_port
             specs.setdefault(s.name, []).append(ServerSpec(
-                f"{s.name}-{side}", server_argv(python, s, role, port, device, kv),
-                server_env(device, side_port, gpus, mode=s.mode, bootstrap_port=bootstrap)
+                f"{s.name}-{side}", server_argv(python, s, role, port, device, kv,
+                                                **({"gpu_memory_utilization": util} if util else {})),
+                server_env(device, side_port, plan.get((s.name, side)), mode=s.mode, bootstrap_port=bootstrap)
                 | {"PYTHONUNBUFFERED": "1"}, port, s.logs[side]))
     return specs
 
@@ -808,6 +809,9 @@ def parse_args(argv=None):
                         "mooncake run no hostile client; store: no P/D, a Mooncake store with checksummed values and faults "
                         "injected into it, see kvcs_demo/store.py)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=os.environ.get("VLLM_DEVICE") or "cpu")
+    p.add_argument("--gpus", help="cuda: comma-separated GPUs the servers may use, as CUDA_VISIBLE_DEVICES names them "
+                   "(default: CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists); servers are handed them in "
+                   "turn and share them when there are fewer than the servers need")
     p.add_argument("--ttft-requests", type=int, default=None, help="TTFT requests each with checksums on and off "
                    "(default 20, 5 with --mode store; 0: skip the baseline pair)")
     p.add_argument("--no-hostile", action="store_true", help="skip the hostile-client requests")
@@ -834,7 +838,29 @@ def parse_args(argv=None):
         p.error("--requests must be at least 1")
     if args.device == "cuda" and args.model is None:
         p.error("--device cuda needs --model (a model directory or name the GPU host has)")
+    if args.gpus is not None:
+        if args.device != "cuda":
+            p.error("--gpus is for --device cuda")
+        args.gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+        if not args.gpus:
+            p.error("--gpus names no GPU")
     return args
+
+
+def fitting_setups(setups: list[Setup], gpus: list[str], wanted: bool) -> list[Setup]:
+    """The setups whose servers' tensor parallel ranks each get a GPU of their
+    own from `gpus`. The default set leaves the others out, saying so; setups
+    named with --setups that do not fit end the demo before any server starts."""
+    too_big = [s for s in setups if max(s.producer_tp, s.consumer_tp) > len(gpus)]
+    if not too_big:
+        return setups
+    need = max(max(s.producer_tp, s.consumer_tp) for s in too_big)
+    what = (f"{', '.join(s.name for s in too_big)}: tensor parallel {need} needs {need} GPUs, and "
+            f"{len(gpus)} {'is' if len(gpus) == 1 else 'are'} visible ({','.join(gpus)})")
+    if wanted:
+        raise SystemExit(f"setups {what}; choose others with --setups, or give more GPUs (--gpus, CUDA_VISIBLE_DEVICES)")
+    log(f"left out {what}")
+    return [s for s in setups if s not in too_big]
 
 
 def choose_setups(args) -> list[Setup]:
@@ -852,6 +878,8 @@ def choose_setups(args) -> list[Setup]:
             raise SystemExit(f"unknown setups {sorted(wanted - names)}; known: {', '.join(sorted(names))}")
         keep = wanted | ({"baseline-off"} if args.ttft_requests > 0 else set())
         setups = [s for s in setups if s.name in keep]
+    if args.device == "cuda" and args.gpus:
+        setups = fitting_setups(setups, args.gpus, wanted=bool(args.setups))
     for s in setups:
         s.mode = args.mode
     return setups
@@ -863,6 +891,12 @@ def main(argv=None) -> int:
         from kvcs_demo.store import run as run_store
         return run_store(args)
     t0 = time.monotonic()
+    if args.device == "cuda" and args.gpus is None:
+        args.gpus = visible_gpus()
+        if not args.gpus:
+            raise SystemExit("--device cuda: no GPU found (CUDA_VISIBLE_DEVICES is not set and `nvidia-smi -L` lists "
+                             "none, or there is no nvidia-smi); run it on a host with an NVIDIA GPU and its driver, "
+                             "or name the GPUs with --gpus")
     setups = choose_setups(args)
     work = args.out
     work.mkdir(parents=True, exist_ok=True)
@@ -881,7 +915,7 @@ def main(argv=None) -> int:
     errors: dict[str, str] = {}
     # --alerts: fail before any server starts when Prometheus is missing.
     prometheus_bin = alerts.prometheus_binary() if args.alerts else None
-    specs = server_specs(setups, args.device, work, args.python)
+    specs = server_specs(setups, args.device, work, args.python, args.gpus)
     off = next((s for s in setups if not s.checksums), None)
     with ProcessGroup() as group:
         servers = {s.name: [group.start(spec) for spec in specs[s.name]] for s in checked}

@@ -13,8 +13,11 @@ each fault kind runs on each layout.
 from __future__ import annotations
 
 import json
+import math
 import os
+import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +45,13 @@ NIXL_SIDE_CHANNEL_HOST = "localhost"
 # vLLM's get_ip() picks the host's first non-loopback address.
 MOONCAKE_PROTOCOL = "tcp"
 MOONCAKE_HOST = "127.0.0.1"
+# GPU hosts: vLLM's --gpu-memory-utilization is each server's share of its
+# GPUs' memory, checked against the memory free when it starts. A server with
+# GPUs of its own takes GPU_MEMORY_PER_SERVER; servers that share a GPU (a
+# host with fewer GPUs than the setups have servers) split GPU_MEMORY_SHARE of
+# it, leaving the rest to the CUDA contexts.
+GPU_MEMORY_PER_SERVER = 0.3
+GPU_MEMORY_SHARE = 0.85
 
 
 @dataclass
@@ -112,6 +122,45 @@ def gpu_setups(model: Path) -> list[Setup]:
             Setup("tp2-tp1", model, policy="fail", producer_tp=2),
             Setup("tp1-tp2", model, policy="fail", consumer_tp=2),
             Setup("baseline-off", model, policy="open", checksums=False)]
+
+
+def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
+    """The GPUs the demo's servers may use: CUDA_VISIBLE_DEVICES when it is set
+    (indices or UUIDs, as CUDA takes them), else every GPU `nvidia-smi -L`
+    lists; [] when there is none (or no nvidia-smi)."""
+    env = os.environ if env is None else env
+    if env.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    return [str(i) for i, line in enumerate(ln for ln in out.stdout.splitlines() if ln.startswith("GPU "))]
+
+
+def gpu_plan(setups: list[Setup], gpus: list[str]) -> tuple[dict[tuple[str, str], list[str]], float]:
+    """Each server's GPUs, keyed (setup name, "producer"|"consumer"): handed
+    out in turn from `gpus`, round again from the first when the servers need
+    more than there are; and the --gpu-memory-utilization of every server
+    (servers sharing a GPU split GPU_MEMORY_SHARE of it). A server's tensor
+    parallel ranks need GPUs of their own: ValueError when one has more ranks
+    than there are GPUs."""
+    if not gpus:
+        raise ValueError("no GPU to run the servers on")
+    plan: dict[tuple[str, str], list[str]] = {}
+    turn = 0
+    for s in setups:
+        for side, tp in (("producer", s.producer_tp), ("consumer", s.consumer_tp)):
+            if tp > len(gpus):
+                raise ValueError(f"{s.name}: the {side} has tensor parallel size {tp}, which needs {tp} GPUs; "
+                                 f"{len(gpus)} visible ({','.join(gpus)})")
+            plan[(s.name, side)] = [gpus[(turn + k) % len(gpus)] for k in range(tp)]
+            turn += tp
+    most = max(Counter(g for ids in plan.values() for g in ids).values())
+    util = min(GPU_MEMORY_PER_SERVER, math.floor(GPU_MEMORY_SHARE / most * 100) / 100)
+    return plan, util
 
 
 def producer_engine_id(setup: Setup) -> str:
@@ -191,8 +240,10 @@ def vllm_serve(python: str) -> list[str]:
     return [python, "-m", "vllm.entrypoints.cli.main", "serve"]
 
 
-def server_argv(python: str, setup: Setup, role: str, port: int, device: str, kv_config: dict) -> list[str]:
-    """The command line of one real vLLM OpenAI server, as an operator runs it: `vllm serve MODEL ...`."""
+def server_argv(python: str, setup: Setup, role: str, port: int, device: str, kv_config: dict, *,
+                gpu_memory_utilization: float = GPU_MEMORY_PER_SERVER) -> list[str]:
+    """The command line of one real vLLM OpenAI server, as an operator runs it: `vllm serve MODEL ...`
+    (gpu_memory_utilization: its share of its GPUs, device cuda; gpu_plan)."""
     tp = setup.producer_tp if role == "kv_producer" else setup.consumer_tp
     argv = [*vllm_serve(python), str(setup.model),
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
@@ -203,7 +254,7 @@ def server_argv(python: str, setup: Setup, role: str, port: int, device: str, kv
         argv += ["--dtype", "bfloat16", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
                  "--kv-cache-memory-bytes", str(256 * 2**20)]
     else:
-        argv += ["--gpu-memory-utilization", "0.3", "--block-size", "16"]
+        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization), "--block-size", "16"]
     if not setup.hybrid:
         argv.append("--disable-hybrid-kv-cache-manager")
     return argv

@@ -396,8 +396,9 @@ def test_server_env_cpu():
 
 
 def test_server_specs_cuda_gives_each_server_its_own_gpus(tmp_path):
+    """With a GPU for every rank (10 here); fewer are shared: test_demo_gpus.py."""
     setups = gpu_setups(Path("X"))
-    specs = demo.server_specs(setups, "cuda", tmp_path, "py")
+    specs = demo.server_specs(setups, "cuda", tmp_path, "py", [str(i) for i in range(10)])
     assert list(specs) == ["tp1-tp1", "tp2-tp1", "tp1-tp2", "baseline-off"]
     gpus = {spec.name: spec.env["CUDA_VISIBLE_DEVICES"] for ss in specs.values() for spec in ss}
     assert gpus == {"tp1-tp1-producer": "0", "tp1-tp1-consumer": "1",
@@ -409,6 +410,7 @@ def test_server_specs_cuda_gives_each_server_its_own_gpus(tmp_path):
         assert flag(prod.argv, "--tensor-parallel-size") == str(s.producer_tp)
         assert flag(cons.argv, "--tensor-parallel-size") == str(s.consumer_tp)
         assert prod.env["PYTHONUNBUFFERED"] == "1" and cons.env["VLLM_GPU_SYNC_CHECK"] == "error"
+        assert flag(prod.argv, "--gpu-memory-utilization") == flag(cons.argv, "--gpu-memory-utilization") == "0.3"
         assert s.urls == {"producer": f"http://127.0.0.1:{prod.port}", "consumer": f"http://127.0.0.1:{cons.port}"}
         assert s.control_path == tmp_path / f"{s.name}.faults.json"
         assert json.loads(s.control_path.read_text()) == {"kinds": [], "rate": 0.0}
