@@ -28,6 +28,10 @@ setup-0.34: setup ## build/venv-0.34.0 (vLLM 0.34.0 from the package index) and 
 demo: setup ## real P/D servers catching injected KV faults: table + build/demo/report.json (DEMO_ARGS=--help)
 	PYTHONPATH=scripts $(PY) -m kvcs_demo --device $(VLLM_DEVICE) $(if $(MODEL),--model $(MODEL)) $(DEMO_ARGS)
 
+.PHONY: demo-0.34
+demo-0.34: ## vLLM 0.34.0 on a GPU host: a venv with its CUDA wheel, the series applied in place, the demo on it (MODEL=DIR; GPU_PYTHON=, DRY_RUN=1)
+	python3 scripts/gpu_demo_034.py $(if $(GPU_PYTHON),--python "$(GPU_PYTHON)") $(if $(filter command line environment,$(origin VLLM_DEVICE)),--device $(VLLM_DEVICE)) $(if $(DRY_RUN),--dry-run) -- $(if $(MODEL),--model $(MODEL)) $(DEMO_ARGS)
+
 soak: setup ## real P/D servers under load and the lease race, judged by ground truth: build/soak/report.json (SOAK_ARGS=--help)
 	PYTHONPATH=scripts $(PY) -m kvcs_soak --device $(VLLM_DEVICE) $(if $(MODEL),--model-path $(MODEL)) $(SOAK_ARGS)
 

@@ -9,7 +9,14 @@
 # figures.
 #
 # Runs where torch, triton and a CUDA device are, without vLLM: only the
-# vLLM-free package (vllm_kvchecksum's definition, views, kernels) is used.
+# vLLM-free package (vllm_kvchecksum's definition, views, kernels, host copy)
+# is used, so it is the same check for both bases (v0.32.0 and v0.34.0). What
+# the worker hooks of vLLM 0.34's Model Runner V2 rest on beyond the kernels is
+# the host copy, ordered after the stream current when the copy starts (not
+# the one at init; the runner may switch): test_host_copy.py's CUDA test runs
+# that on a busy non-default stream. The hooks themselves need vLLM on a GPU:
+# `make demo-0.34` (docs/workbench.md, "GPU hosts").
+# tests/install/test_gpu_demo_034.py checks that these files import no vLLM.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]        # default: $OUT, else build/gpu-check
 #
@@ -43,7 +50,7 @@ fi
 status=0
 # -p no:cacheprovider: the tree may be read-only; the rest of tests/ needs vLLM.
 "$py" -m pytest -p no:cacheprovider -q -rs tests/unit/test_triton_kernel_cuda.py \
-    tests/unit/test_state_pieces.py tests/unit/test_definition.py 2>&1 | tee "$out/tests.log" || status=1
+    tests/unit/test_state_pieces.py tests/unit/test_definition.py tests/unit/test_host_copy.py 2>&1 | tee "$out/tests.log" || status=1
 sections=cuda
 if "$py" -c "import numba" 2>/dev/null; then
     "$py" -m pytest -p no:cacheprovider -q -rs tests/unit/test_numba_path.py 2>&1 \
