@@ -72,14 +72,19 @@ def _add_cleared_state(w) -> None:
             setattr(w, name, {} if method == "pop" else set())
 
 
-def registration(request_id: str, block_ids) -> bytes:
+def registration(request_id: str, block_ids, names: str | None = None) -> bytes:
+    """A consumer's PUSH_REG; `names`: the producer request it names (its
+    kv_transfer_params' remote_request_id), when the consumer knows one."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 
-    return PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode({
+    data = {
         "request_id": request_id, "decode_engine_id": "consumer", "decode_host": "127.0.0.1",
         "decode_port": 5602, "decode_tp_size": 1, "local_block_ids": block_ids,
         "remote_engine_id": "producer", "remote_host": "127.0.0.1", "remote_port": 5601,
-        "remote_tp_size": 1})
+        "remote_tp_size": 1}
+    if names is not None:
+        data["remote_request_id"] = names
+    return PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(data)
 
 
 def wired_pair():

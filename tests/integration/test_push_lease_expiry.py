@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
-from pd_harness import CONNECTORS, make_request, make_side, prefill, prompt_of, stats
+from pd_harness import CONNECTORS, forward_of, make_request, make_side, prompt_of, stats
 from push_pair import expire, push_worker, registration, wired_pair
 from vllm.v1.request import RequestStatus
 
@@ -50,9 +50,11 @@ def test_a_late_registration_fails_the_load_instead_of_waiting(drained):
         p._drain_evictions()
     d._recving_metadata[consumer_id] = SimpleNamespace(pp_size=1, local_block_ids=([7, 8],))
 
-    p._handle_push_reg_notif(registration(consumer_id, ([7, 8],)))
+    # The consumer names the producer's request (its kv_transfer_params came
+    # from the producer): the released attempt is answered at once.
+    p._handle_push_reg_notif(registration(consumer_id, ([7, 8],), names=producer_id))
     # Every consumer rank registers with every producer rank: one answer.
-    p._handle_push_reg_notif(registration(consumer_id, ([7, 8],)))
+    p._handle_push_reg_notif(registration(consumer_id, ([7, 8],), names=producer_id))
     assert p.nixl_wrapper.send_notif.call_count == 1
     results = d.get_transfer_results()
 
@@ -113,12 +115,13 @@ def test_producer_tp2_one_rank_wrote_one_lost_the_kv_fails_when_both_answered():
 def test_a_gone_notif_names_a_request_whose_id_holds_colons():
     """The TP size is what follows the last colon, as in a completion notif."""
     p, d = wired_pair()
-    expire(p, "tenant:a:req-9", ([3],))
-    d._recving_metadata["tenant:a:req-9"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    rid = "tenant:a:req-9-0a1b2c3d"
+    expire(p, rid, ([3],))
+    d._recving_metadata[rid] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
 
-    p._handle_push_reg_notif(registration("tenant:a:req-9", ([7],)))
+    p._handle_push_reg_notif(registration(rid, ([7],), names=rid))
 
-    assert d.get_transfer_results().failed_recving == {"tenant:a:req-9"}
+    assert d.get_transfer_results().failed_recving == {rid}
 
 
 def test_the_answer_waits_for_the_handshake_with_the_consumer():
@@ -132,7 +135,7 @@ def test_the_answer_waits_for_the_handshake_with_the_consumer():
     p._drain_evictions()
     d._recving_metadata["req-10-9f8e7d6c"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
 
-    p._handle_push_reg_notif(registration("req-10-9f8e7d6c", ([7],)))
+    p._handle_push_reg_notif(registration("req-10-9f8e7d6c", ([7],), names="req-10-0a1b2c3d"))
     assert d._pending_completion_notifs.empty()
     p._ensure_handshake.return_value = None
     handshake.set_result(({(0, 0): "consumer-agent"}, 0.0))
@@ -146,14 +149,15 @@ def test_producer_tp2_a_rank_that_lost_the_kv_waits_for_the_rank_that_writes():
     consumer must not fail the load while the other rank's WRITE is in flight."""
     p, d = wired_pair()
     p.world_size, p.tp_rank = 2, 0
-    expire(p, "req-11", ([3],))
-    d._recving_metadata["req-11"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    rid = "req-11-0a1b2c3d"
+    expire(p, rid, ([3],))
+    d._recving_metadata[rid] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
 
-    p._handle_push_reg_notif(registration("req-11", ([7],)))
+    p._handle_push_reg_notif(registration(rid, ([7],), names=rid))
     assert d.get_transfer_results().failed_recving == set()
-    d._pending_completion_notifs.put(b"req-11:2")  # rank 1's WRITE landed
+    d._pending_completion_notifs.put(rid.encode() + b":2")  # rank 1's WRITE landed
 
-    assert d.get_transfer_results().failed_recving == {"req-11"}
+    assert d.get_transfer_results().failed_recving == {rid}
 
 
 def test_write_ranks_widen_to_every_consumer_rank_only_for_pure_mla():
@@ -172,10 +176,11 @@ def test_an_idle_producers_writer_answers_without_its_engine_waking_it():
     """The writer thread, running: nothing sets its wake event (the engine is
     idle), and the late registration is still read and answered."""
     p, d = wired_pair()
-    expire(p, "req-12", ([3],))
+    rid = "req-12-0a1b2c3d"
+    expire(p, rid, ([3],))
     p._drain_evictions()
-    d._recving_metadata["req-12"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
-    arrivals = [{}, {"consumer-agent": [registration("req-12", ([7],))]}]
+    d._recving_metadata[rid] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    arrivals = [{}, {"consumer-agent": [registration(rid, ([7],), names=rid)]}]
     p.nixl_wrapper.get_new_notifs.side_effect = lambda: arrivals.pop(0) if arrivals else {}
     p._push_writer_wake.clear()  # set by the expiry's transfer results
     writer = threading.Thread(target=p._push_writer_loop, daemon=True)
@@ -201,7 +206,7 @@ def test_an_idle_producers_writer_answers_without_its_engine_waking_it():
         writer.join(30)
 
     assert answered_unwoken
-    assert d.get_transfer_results().failed_recving == {"req-12"}
+    assert d.get_transfer_results().failed_recving == {rid}
     assert p._xfer_blocks_for_req.call_count == 1
 
 
@@ -220,7 +225,8 @@ def test_a_retry_reusing_the_client_id_is_written_and_the_late_original_answered
     p._handle_push_reg_notif(registration("abc-4444dddd", ([9],)))  # ... and rank 1
     assert d._pending_completion_notifs.empty()
     d._recving_metadata["abc-1111bbbb"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
-    p._handle_push_reg_notif(registration("abc-1111bbbb", ([7],)))  # the original's, at last
+    # The original's, at last: its consumer had the producer's params.
+    p._handle_push_reg_notif(registration("abc-1111bbbb", ([7],), names="abc-0000aaaa"))
 
     assert d.get_transfer_results().failed_recving == {"abc-1111bbbb"}
     p._xfer_blocks_for_req.assert_called_once()
@@ -241,23 +247,35 @@ def test_a_retry_registered_before_its_prefill_finished_is_written_once_not_answ
     assert d._pending_completion_notifs.empty()
 
 
-def test_a_lease_that_ran_out_during_the_handshake_is_answered_gone_not_written():
+@pytest.mark.parametrize("named", [True, False], ids=["names-the-attempt", "client-id-only"])
+def test_a_lease_that_ran_out_during_the_handshake_is_not_written(named):
+    """Named: that registration was this attempt's, answered gone. Paired by
+    the client's id alone, it may be a retry's: it is kept for the retry's
+    own blocks, and written with them."""
     p, d = wired_pair()
     handshake = Future()
     p._ensure_handshake.return_value = handshake
-    p._push_finished_blocks["req-14"] = ([3],)
-    p._reqs_to_send["req-14"] = time.perf_counter() + 60
-    p._reqs_to_process.add("req-14")
-    d._recving_metadata["req-14"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
-    p._handle_push_reg_notif(registration("req-14", ([7],)))  # matched; the WRITE waits
-    expire(p, "req-14")  # meanwhile the lease runs out and the engine frees the blocks
+    rid, retry = "req-14-0a1b2c3d", "req-14-3333cccc"
+    p._push_finished_blocks[rid] = ([3],)
+    p._reqs_to_send[rid] = time.perf_counter() + 60
+    p._reqs_to_process.add(rid)
+    d._recving_metadata["req-14-9f8e7d6c"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    # Matched; the WRITE waits for the handshake.
+    p._handle_push_reg_notif(registration("req-14-9f8e7d6c", ([7],), names=rid if named else "req-14"))
+    expire(p, rid)  # meanwhile the lease runs out and the engine frees the blocks
     p._ensure_handshake.return_value = None
     handshake.set_result(({(0, 0): "consumer-agent"}, 0.0))
 
     p._drain_deferred_pushes()
 
     p._xfer_blocks_for_req.assert_not_called()
-    assert d.get_transfer_results().failed_recving == {"req-14"}
+    if named:
+        assert d.get_transfer_results().failed_recving == {"req-14-9f8e7d6c"}
+        return
+    assert d._pending_completion_notifs.empty()
+    p._finished_blocks_inbox.put((retry, ([5],), None))
+    p._drain_finished_blocks()
+    assert p._xfer_blocks_for_req.call_args.kwargs["req_id"] == retry
 
 
 def test_kv_released_longer_ago_than_the_ttl_is_forgotten(monkeypatch):
@@ -274,21 +292,24 @@ def test_kv_released_longer_ago_than_the_ttl_is_forgotten(monkeypatch):
     assert d._pending_completion_notifs.empty() and "req-15" in p._pending_d_registrations
 
 
-@pytest.mark.parametrize("field, value", [("decode_port", None), ("decode_engine_id", 7), ("local_block_ids", "x")])
+@pytest.mark.parametrize("field, value", [("decode_port", None), ("decode_engine_id", 7), ("local_block_ids", "x"),
+                                          ("remote_request_id", 7)])
 def test_a_malformed_registration_is_dropped_before_it_touches_any_state(field, value):
     p, d = wired_pair()
-    expire(p, "req-16", ([3],))
+    rid = "req-16-0a1b2c3d"
+    expire(p, rid, ([3],))
     p._drain_evictions()
-    bad = msgspec.msgpack.decode(registration("req-16", ([7],))[len(b"PUSH_REG:"):])
+    bad = msgspec.msgpack.decode(registration(rid, ([7],), names=rid)[len(b"PUSH_REG:"):])
     bad[field] = value
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 
     p._handle_push_reg_notif(PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(bad))
     assert p.xfer_stats.data["num_failed_notifications"] == [1] and d._pending_completion_notifs.empty()
-    d._recving_metadata["req-16"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
-    p._handle_push_reg_notif(registration("req-16", ([7],)))
+    assert p._pending_d_registrations == {}
+    d._recving_metadata[rid] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    p._handle_push_reg_notif(registration(rid, ([7],), names=rid))
 
-    assert d.get_transfer_results().failed_recving == {"req-16"}
+    assert d.get_transfer_results().failed_recving == {rid}
 
 
 def test_every_consumer_rank_the_producer_writes_hears_gone():
@@ -308,15 +329,16 @@ def test_every_consumer_rank_the_producer_writes_hears_gone():
         ranks[agent]._pending_completion_notifs.put(notif_msg)
 
     p.nixl_wrapper.send_notif.side_effect = send_notif
-    expire(p, "req-4", ([3],))
+    rid = "req-4-0a1b2c3d"
+    expire(p, rid, ([3],))
     for d in (d0, d1):
-        d._recving_metadata["req-4"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+        d._recving_metadata[rid] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
 
-    p._handle_push_reg_notif(registration("req-4", ([7],)))
+    p._handle_push_reg_notif(registration(rid, ([7],), names=rid))
 
     # ...the other rank still hears it.
     assert tries == ["d0", "d1"]
-    assert [d.get_transfer_results().failed_recving for d in (d0, d1)] == [set(), {"req-4"}]
+    assert [d.get_transfer_results().failed_recving for d in (d0, d1)] == [set(), {rid}]
     assert p.xfer_stats.data["num_failed_notifications"] == [1]
 
 
@@ -343,11 +365,11 @@ def test_an_idle_producer_keeps_reading_registrations_while_released_kv_awaits_o
     does: while KV released on expiry may still be asked for, it polls."""
     p, _ = wired_pair()
     assert p._push_gone_poll_s() is None
-    expire(p, "req-8", ([3],))
+    expire(p, "req-8-0a1b2c3d", ([3],))
     p._drain_evictions()
     assert p._push_gone_poll_s() is not None and p._push_gone_poll_s() > 0
 
-    p._handle_push_reg_notif(registration("req-8", ([7],)))
+    p._handle_push_reg_notif(registration("req-8-9f8e7d6c", ([7],), names="req-8-0a1b2c3d"))
 
     assert p._push_gone_poll_s() is None
 
@@ -379,26 +401,161 @@ def test_a_gone_answer_is_dropped_with_the_load_it_was_for():
     assert d._push_gone_recvs() == set()
 
 
+def attempt(side, prompt: list[int], request_id: str, *, params: dict | None = None, remote_decode=False):
+    """A request of `side` under vLLM's internal id form: the client's id and
+    the engine's random 8-hex suffix (what NIXL push pairs by, less the
+    suffix)."""
+    req = make_request(prompt, remote_decode=remote_decode, params=params, block_size=side.block_size)
+    req.request_id = request_id
+    return req
+
+
+def prefill_as(P, prompt: list[int], request_id: str):
+    """The producer runs `request_id` to its end (pd_harness.prefill, with
+    the id chosen): its kv_transfer_params, and the blocks and checksums its
+    scheduler ships to its push workers."""
+    req = attempt(P, prompt, request_id, remote_decode=True)
+    P.scheduler.add_request(req)
+    forward = forward_of(P, req)
+    for _ in range(8):
+        _, outputs = P.step(forward=forward)
+        if req.request_id in outputs and outputs[req.request_id].kv_transfer_params is not None:
+            params = dict(outputs[req.request_id].kv_transfer_params)
+            out, _ = P.step()
+            meta = out.kv_connector_metadata
+            return req, params, meta.push_finished_blocks[request_id], meta.push_finished_kv_checksums[request_id]
+    raise AssertionError("the producer request did not finish")
+
+
+def consumer_registration(C, req, p) -> bytes:
+    """What the consumer's push worker sends for `req`: the registration its
+    real scheduler staged (the step that allocated the blocks). The producer
+    worker `p` reaches that consumer engine (see push_pair.wired_pair)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
+
+    C.scheduler.add_request(req)
+    out, _ = C.step()
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    reg = out.kv_connector_metadata.push_registrations[req.request_id]
+    p._remote_agents[reg["decode_engine_id"]] = p._remote_agents["consumer"]
+    p.tp_mappings[reg["decode_engine_id"]] = p.tp_mappings["consumer"]
+    return PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(reg)
+
+
+@pytest.mark.parametrize("retry_prompt", ["same-prompt", "new-prompt"])
+def test_a_retry_registered_before_its_prefill_ends_gets_its_own_kv_not_gone(retry_prompt):
+    """Issue 44 §2. Attempt 1 of X-Request-Id "abc" finished on the producer;
+    its consumer never registered and its lease ran out. The client retries
+    under the same id, and (the push proxy's order) the retry's consumer
+    registers before the retry's prefill ends. Its registration names the
+    client's id only: it is not answered gone, it waits for the retry's own
+    blocks, and the load verifies on the consumer's real scheduler."""
+    P = make_side("kv_producer", connector=CONNECTORS["push"])
+    C = make_side("kv_consumer", connector=CONNECTORS["push"], fail_closed=True, policy="fail")
+    first, retry = "abc-0000aaaa", "abc-3333cccc"
+    _, _, blocks_1, checksums_1 = prefill_as(P, prompt_of(PROMPT), first)
+    new_prompt = prompt_of(PROMPT, seed=1) if retry_prompt == "new-prompt" else prompt_of(PROMPT)
+    p, d = wired_pair()
+    p._finished_blocks_inbox.put((first, blocks_1, checksums_1))
+    p._drain_finished_blocks()
+    expire(p, first)
+    p._drain_evictions()
+    P.step(finished_sending={first})  # the producer's engine frees attempt 1's blocks
+    assert list(p._push_gone()) == [first]
+
+    preq, params, blocks_2, checksums_2 = prefill_as(P, new_prompt, retry)
+    push_proxy_params = dict(params, remote_request_id="abc", remote_block_ids=None)  # base id only
+    req = attempt(C, new_prompt, "abc-4444dddd", params=push_proxy_params)
+    reg = consumer_registration(C, req, p)
+    d._recving_metadata[req.request_id] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    p._handle_push_reg_notif(reg)  # before the retry's blocks reach the push worker
+    p._answer_unclaimed_regs()
+    assert d._pending_completion_notifs.empty()
+    assert req.request_id in p._pending_d_registrations
+
+    p._reqs_to_process.add(retry)  # scheduled here; then its prefill ends
+    p._push_unclaimed_regs()[req.request_id] = time.monotonic() - 1  # even a lease later
+    p._answer_unclaimed_regs()
+    assert d._pending_completion_notifs.empty() and p._push_unclaimed_regs() == {}
+    p._finished_blocks_inbox.put((retry, blocks_2, checksums_2))
+    p._drain_finished_blocks()
+
+    write = p._xfer_blocks_for_req.call_args.kwargs
+    assert write["req_id"] == retry and write["meta"].remote.request_id == req.request_id
+    assert [list(g) for g in write["meta"].remote.block_ids] == [
+        list(g) for g in C.scheduler.kv_cache_manager.get_block_ids(req.request_id)]
+    C.write_tokens(req.request_id, 0, req.num_computed_tokens, source=P, source_id=preq.request_id)
+    d._pending_completion_notifs.put(p._completion_notif(retry, req.request_id))
+    d._get_new_notifs()  # the consumer worker counts the WRITE's notif: the load is done
+    assert req.request_id in d._recving_transfers and d._failed_recv_reqs.empty()
+    received = {req.request_id: d._received_kv_checksums[req.request_id]}
+    C.step(finished_recving={req.request_id}, received=received)
+    out, _ = C.step()
+    assert stats(C) == {"verified": 1}
+    assert out.num_scheduled_tokens.get(req.request_id, 0) > 0  # it runs on the KV it received
+    # Attempt 1 is still remembered: its own late registration is answered.
+    assert list(p._push_gone()) == [first]
+
+
+def test_a_registration_naming_another_attempt_is_never_answered_for_this_one():
+    """A consumer that knows its producer request by its full id (the
+    producer's kv_transfer_params) waits for that one; the released
+    attempt's memory does not answer it, nor do its blocks match another."""
+    p, d = wired_pair()
+    expire(p, "abc-0000aaaa", ([3],))
+    p._drain_evictions()
+    p._push_finished_blocks["abc-5555eeee"] = ([4],)  # a third attempt, finished
+    d._recving_metadata["abc-4444dddd"] = SimpleNamespace(pp_size=1, local_block_ids=([9],))
+    p._push_lease_s = 0.0
+
+    p._handle_push_reg_notif(registration("abc-4444dddd", ([9],), names="abc-3333cccc"))
+    p._answer_unclaimed_regs()
+
+    assert d._pending_completion_notifs.empty()
+    p._finished_blocks_inbox.put(("abc-6666ffff", ([6],), None))  # a fourth finishes
+    p._drain_finished_blocks()
+    p._xfer_blocks_for_req.assert_not_called()
+    p._finished_blocks_inbox.put(("abc-3333cccc", ([5],), None))
+    p._drain_finished_blocks()
+    assert p._xfer_blocks_for_req.call_args.kwargs["req_id"] == "abc-3333cccc"
+
+
+def test_a_late_registration_naming_only_the_client_id_is_answered_once_no_attempt_came():
+    """The push proxy gives the consumer the client's id only. A registration
+    for KV released under that id waits the producer's lease for an attempt
+    to be scheduled here; none came, so it was the released one's: gone."""
+    p, d = wired_pair()
+    expire(p, "req-17-0a1b2c3d", ([3],))
+    p._drain_evictions()
+    d._recving_metadata["req-17-9f8e7d6c"] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+
+    p._handle_push_reg_notif(registration("req-17-9f8e7d6c", ([7],), names="req-17"))
+    p._answer_unclaimed_regs()
+    assert d._pending_completion_notifs.empty()  # the lease (30 s) has not run out
+    p._push_unclaimed_regs()["req-17-9f8e7d6c"] = time.monotonic() - 1  # now it has
+
+    p._answer_unclaimed_regs()
+
+    assert d.get_transfer_results().failed_recving == {"req-17-9f8e7d6c"}
+    assert p._pending_d_registrations == {} and p._push_gone() == {} and p._push_unclaimed_regs() == {}
+    p._xfer_blocks_for_req.assert_not_called()
+
+
 def test_the_consumer_scheduler_ends_the_load_by_its_failure_policy():
     """The consumer's real scheduler gets the failed load from the push
     worker's own transfer results: vLLM's load-failure path ends the request
-    (policy "fail"), it is not a checksum verdict, and nothing stays held."""
+    (policy "fail"), it is not a checksum verdict, and nothing stays held.
+    The registration is the one the consumer's scheduler staged, naming the
+    producer's request from its kv_transfer_params."""
     P = make_side("kv_producer", connector=CONNECTORS["push"])
     C = make_side("kv_consumer", connector=CONNECTORS["push"], fail_closed=True, policy="fail")
-    preq, params = prefill(P, prompt_of(PROMPT))
-    params.pop("kv_checksums", None)
-    req = make_request(preq.prompt_token_ids, params=dict(params))
-    C.scheduler.add_request(req)
-    C.step()
-    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-
-    # The consumer's request and the producer's share the client's request id
-    # (the proxy gives both legs the same): a registration names the former.
+    preq, params, blocks, _ = prefill_as(P, prompt_of(PROMPT), "req-18-0a1b2c3d")
+    req = attempt(C, preq.prompt_token_ids, "req-18-9f8e7d6c", params=params)
     p, d = wired_pair()
-    expire(p, req.request_id, ([3, 4],))
-    block_ids = C.scheduler.kv_cache_manager.get_block_ids(req.request_id)
-    d._recving_metadata[req.request_id] = SimpleNamespace(pp_size=1, local_block_ids=block_ids)
-    p._handle_push_reg_notif(registration(req.request_id, block_ids))
+    reg = consumer_registration(C, req, p)
+    expire(p, preq.request_id, blocks)
+    d._recving_metadata[req.request_id] = SimpleNamespace(pp_size=1, local_block_ids=([7],))
+    p._handle_push_reg_notif(reg)
     results = d.get_transfer_results()
     C.step(finished_recving=results.finished_recving, failed_recving=results.failed_recving)
 

@@ -21,6 +21,8 @@ NixlPushConnector and the checksum workers (pd_harness).
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import msgspec
@@ -285,3 +287,173 @@ def test_a_load_that_ended_is_forgotten():
     del d._recving_metadata["A"]
     d.get_transfer_results()
     assert d._push_reg_agents == {}
+
+
+# -- Issue 44 §1: a registration that reached only some producer ranks --------
+
+def test_the_consumer_scheduler_fails_a_load_a_producer_rank_never_got_once_the_rank_that_got_it_wrote(caplog):
+    """Producer TP 2 into consumer TP 1: both producer ranks write this
+    consumer's KV, and the registration's send to rank 1 failed. The writer
+    sends it again; while rank 1 stays unreached the load can never complete
+    (it needs one notif per writing rank). A lease after the first send, once
+    rank 0 (which got it) has written, nothing more can be written: the load
+    fails by policy, counted, logged with the rank, and no retry follows."""
+    C = make_side("kv_consumer", connector=CONNECTORS["push"], fail_closed=True, policy="fail")
+    P = make_side("kv_producer", connector=CONNECTORS["push"])
+    _, params = prefill(P, prompt_of(77))
+    params.pop("kv_checksums", None)
+    req = make_request(prompt_of(77), params=dict(params))
+    C.scheduler.add_request(req)
+    C.step()
+    a = req.request_id
+    producer = Producer("agent-0", "agent-1")
+    producer.alive.discard("agent-1")
+    d = consumer(producer)
+    d._push_lease_s = 0.0  # the lease has passed by the first check (no waiting in a test)
+
+    register(d, a)
+    assert [agent for agent, _ in producer.received] == ["agent-0"]
+    d._push_reg_retries()[a]["next_try"] = 0.0
+    d._retry_push_registrations()  # rank 1 is still down
+    assert [agent for agent, _ in producer.received] == ["agent-0"]
+    # Rank 0 may still write into the blocks: nothing is freed under it.
+    assert not d.get_transfer_results().failed_recving
+
+    d._pending_completion_notifs.put(f"{a}:2".encode())  # rank 0 wrote
+    with capture_logger(caplog, "vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker"):
+        d._get_new_notifs()  # the step counts the notif and gives the load up
+    # From that moment no retry may reach rank 1, even before the failure
+    # is reported and the load's metadata goes.
+    producer.alive.add("agent-1")
+    for entry in d._push_reg_retries().values():
+        entry["next_try"] = 0.0
+    d._retry_push_registrations()
+    assert [agent for agent, _ in producer.received] == ["agent-0"]
+    results = d.get_transfer_results()
+    assert results.failed_recving == {a}
+    assert d.xfer_stats.data["num_failed_transfers"] == [1]
+    assert any("rank(s) [1] of producer engine producer" in r.getMessage() and a in r.getMessage()
+               for r in caplog.records if r.levelname == "ERROR")
+    C.step(finished_recving=results.finished_recving, failed_recving=results.failed_recving)
+    assert req.status is RequestStatus.FINISHED_ERROR
+    assert C.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == \
+        C.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1  # all but the null block
+
+    d._retry_push_registrations()
+    assert [agent for agent, _ in producer.received] == ["agent-0"]
+    assert d._push_reg_retries() == {}
+
+
+def test_a_load_a_rank_missed_waits_out_the_lease_while_retrying():
+    """Before the lease has run out the missed rank may still be reached: the
+    load waits, though the rank that got it has written."""
+    producer = Producer("agent-0", "agent-1")
+    producer.alive.discard("agent-1")
+    d = consumer(producer)  # kv_lease_duration: vLLM's default, 30 s
+    register(d, "A")
+    d._pending_completion_notifs.put(b"A:2")
+
+    d._get_new_notifs()
+
+    assert d._failed_recv_reqs.empty() and "A" not in d._recving_transfers
+    assert d._push_reg_retries()["A"]["missed"] == {(0, 1): "agent-1"}
+
+
+def test_a_missed_rank_reached_on_retry_writes_and_the_load_completes():
+    producer = Producer("agent-0", "agent-1")
+    producer.alive.discard("agent-1")
+    d = consumer(producer)
+    register(d, "A")
+    producer.alive.add("agent-1")  # the link is back
+    d._push_reg_retries()["A"]["next_try"] = 0.0
+
+    d._retry_push_registrations()
+
+    assert [agent for agent, _ in producer.received] == ["agent-0", "agent-1"]
+    assert producer.received[0][1] == producer.received[1][1]  # the same registration
+    assert d._push_reg_retries() == {}
+    d._push_lease_s = 0.0
+    for _ in range(2):  # both ranks write
+        d._pending_completion_notifs.put(b"A:2")
+    d._get_new_notifs()
+    assert "A" in d._recving_transfers and d._failed_recv_reqs.empty()
+    # The rank reached on retry counts for the producer-restart check too.
+    d._fail_recvs_of_replaced_producers()
+    assert d._push_reg_agents["A"] == ("producer", frozenset({"agent-0", "agent-1"}))
+
+
+def test_a_missed_rank_that_writes_another_consumer_rank_fails_nothing():
+    """Producer TP 2 into consumer TP 2: rank 1 writes consumer rank 1 only,
+    which registers itself. Consumer rank 0's load needs rank 0 alone."""
+    producer = Producer("agent-0", "agent-1")
+    producer.alive.discard("agent-1")
+    d = consumer(producer)
+    d.world_size, d.tp_rank = 2, 0
+    d._push_lease_s = 0.0
+    register(d, "A")
+
+    assert not d.get_transfer_results().failed_recving
+    assert d._push_reg_retries() == {} and "A" in d._recving_metadata
+    d.world_size, d.tp_rank = 2, 1
+    assert [d._push_rank_writes_here(r, 2) for r in (0, 1)] == [False, True]
+    assert [d._push_rank_writes_here(0, 1) for d.tp_rank in (0, 1)] == [True, True]  # TP 1 into TP 2
+
+
+def test_a_load_that_ends_stops_its_retries():
+    producer = Producer("agent-0", "agent-1")
+    producer.alive.discard("agent-1")
+    d = consumer(producer)
+    register(d, "A")
+    del d._recving_metadata["A"]  # aborted, or failed for another reason
+    producer.alive.add("agent-1")
+    d._push_reg_retries()["A"]["next_try"] = 0.0
+
+    d._retry_push_registrations()
+
+    assert [agent for agent, _ in producer.received] == ["agent-0"]
+    assert d._push_reg_retries() == {}
+
+
+def test_an_idle_consumers_writer_retries_without_its_engine_waking_it(monkeypatch):
+    """The writer parks until its engine wakes it: while a registration
+    misses a rank it polls, so the retry does not wait for the next step."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import push_worker as push_module
+
+    monkeypatch.setattr(push_module, "_PUSH_REG_RETRY_S", 0.0)
+    producer = Producer("agent-0", "agent-1")
+    producer.alive.discard("agent-1")
+    d = consumer(producer)
+    d.nixl_wrapper.get_new_notifs.return_value = {}
+    register(d, "A")
+    producer.alive.add("agent-1")
+    d._push_writer_wake.clear()
+    writer = threading.Thread(target=d._push_writer_loop, daemon=True)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 30  # a liveness bound, not a speed measure
+        while len(producer.received) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        d._push_writer_stop.set()
+        d._push_writer_wake.set()
+        writer.join(30)
+    assert [agent for agent, _ in producer.received] == ["agent-0", "agent-1"]
+
+
+def test_a_load_its_writing_rank_wrote_anyway_is_not_failed_for_the_miss():
+    """Producer TP 2 into consumer TP 2: consumer rank 0's registration missed
+    producer rank 0, its writer, which got consumer rank 1's registration and
+    wrote both ranks' KV (a producer serves the first registration of a
+    request for every consumer rank). The load is complete, not failed."""
+    producer = Producer("agent-0", "agent-1")
+    producer.alive.discard("agent-0")
+    d = consumer(producer)
+    d.world_size, d.tp_rank = 2, 0
+    d._push_lease_s = 0.0
+    register(d, "A")
+    d._pending_completion_notifs.put(b"A:2")
+
+    d._get_new_notifs()
+
+    assert "A" in d._recving_transfers and d._failed_recv_reqs.empty()
+    assert d._push_reg_retries() == {}
