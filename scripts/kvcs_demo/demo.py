@@ -394,12 +394,13 @@ def explain_outputs(setup: Setup, proxy: str, phases: list[PhaseResult]) -> None
     """Why each verified load's output differs from the reference, once the setup's phases ran.
 
     The evidence (kvcs_soak.outputs): the witness digests of the bytes the
-    consumer used against those the producer sent; the same prompt on the
-    producer alone again and sent at once with other prompts; for
-    change_tail, the same prompt through the same P/D path without the
-    change. A difference shown to be numerics is no problem of the request
-    (the KV was the producer's); any other is one, but for change_tail,
-    whose output is reported and not judged.
+    consumer used against those the producer sent; the same prompt through
+    the same P/D path again with no fault (for change_tail: without the
+    change); on the producer, the prompt alone again, sent at once with
+    other prompts, and with its top choices where the answer parts from it.
+    A difference shown to be numerics is no problem of the request (the KV
+    was the producer's); any other is one, but for change_tail, whose output
+    is reported and not judged.
     """
     from kvcs_soak import outputs
 
@@ -417,16 +418,24 @@ def explain_outputs(setup: Setup, proxy: str, phases: list[PhaseResult]) -> None
             prompt = prompt_of(r.request_id)
             kv = next((v for rid, v in truths.items() if r.request_id in rid), None)
             ev = outputs.OutputEvidence(r.request_id, r.output, r.reference, kv)
+            # The same request through the same P/D path again, with no fault.
+            set_faults(setup, None)
+            status, body = completion(client, f"{proxy}/pairs/{setup.name}", prompt,
+                                      request_id=f"{r.request_id}.rerun")
+            rerun = text_of(body) if status == 200 else None
             if r.phase == "change_tail":
-                set_faults(setup, None)
-                status, body = completion(client, f"{proxy}/pairs/{setup.name}", prompt,
-                                          request_id=f"{r.request_id}.rerun")
-                ev.tail_rerun = text_of(body) if status == 200 else None
+                ev.tail_rerun = rerun
+            else:
+                ev.pd_alone = rerun
             # Companions that keep decoding while the prompt's OUTPUT_TOKENS are.
             companions = [(prompt_of(f"{r.request_id}.companion.{i}"), 2 * OUTPUT_TOKENS)
                           for i in range(outputs.BATCH_COMPANIONS)]
             if kv == "clean":
                 ev.alone, ev.batched = outputs.probe(complete, prompt, OUTPUT_TOKENS, r.reference, companions)
+                r_lp = client.post(f"{setup.urls['producer']}/v1/completions", timeout=180.0, json={
+                    "model": "", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
+                    "logprobs": outputs.LOGPROBS})
+                ev.margin = outputs.margin_of(r_lp.json(), r.output) if r_lp.status_code == 200 else None
             r.output_class, why = outputs.classify(ev)
             r.output_evidence = {**vars(ev), "why": why}
             log(f"[{setup.name}] {r.phase}: output differs from the reference: {r.output_class} ({why})")
@@ -740,9 +749,10 @@ TABLE_LEGEND = (
     "false: mismatches where none was expected (must be 0).",
     "out=ref: outputs equal to the producer's own single-engine output / outputs returned (a failed check under "
     "policy fail returns none: 0/0; fail-open returns the output of the bad KV). A verified load whose output "
-    "differs gets a line under its setup: kv_differs (the bytes the consumer used are not the bytes the producer "
-    "sent), or kv_same_output_differs: numerics (the same bytes, and the producer's own output for the prompt "
-    "changes with the batch: this CPU's arithmetic, not the KV).",
+    "differs gets a line under its setup with its class: kv_differs (the bytes the consumer used are not the bytes "
+    "the producer sent; \"outside the rows checked\": a change_tail that reached the prompt's KV), or "
+    "kv_same_output_differs: numerics (the same bytes, and the producer's own output for the prompt changes with the "
+    "batch: this CPU's arithmetic, not the KV).",
     "where: where each mismatch happened, from both servers' incident lines: \"intact on P\" (the producer's "
     "re-check found its KV as sent: the fault was on the way or on the consumer), \"changed on P\" (the KV changed "
     "on the producer before its transfer completed), \"released on P\" (read after the producer released it), "

@@ -707,6 +707,13 @@ def check_outputs(producer_url: str, planned: list[Planned], answers: list[Answe
                 companions = [(p.prompt, 96) for p in room if p.index != req.index][:outputs.BATCH_COMPANIONS]
                 ev.alone, ev.batched = outputs.probe(complete, req.prompt, req.max_tokens, ev.reference, companions,
                                                     seed=req.index)
+                try:  # the reference again, with its top choices: how close the two were where they part
+                    r = client.post(f"{producer_url}/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                                    json={"model": "", "prompt": req.prompt, "max_tokens": req.max_tokens,
+                                          "temperature": 0, "logprobs": outputs.LOGPROBS})
+                    ev.margin = outputs.margin_of(r.json(), ev.output) if r.status_code == 200 else None
+                except (httpx.HTTPError, ValueError):
+                    ev.margin = None
                 if proxy_url is not None:  # the same request through the same P/D path, alone
                     try:
                         r = client.post(f"{proxy_url}/v1/completions", timeout=REQUEST_TIMEOUT_S,

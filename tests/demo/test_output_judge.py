@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from kvcs_soak import outputs, soak, truth
 from kvcs_soak.outputs import OutputEvidence, classify
 
@@ -58,25 +60,64 @@ def test_no_batch_effect_but_the_p_d_path_alone_gives_the_output_again_is_the_pa
     assert classify(e)[0] == outputs.NUMERICS  # a batch effect shown decides it first
 
 
+def tie(gap=0.0, rank=2):
+    return {"position": 1, "token": "w11", "output_token": "w99", "rank": rank, "gap": gap}
+
+
+def test_no_batch_effect_but_a_tie_where_they_part_and_the_p_d_path_alone_right_is_numerics_at_a_tie():
+    e = ev(batched=(REF, REF))
+    e.pd_alone, e.margin = REF, tie(0.0)
+    assert classify(e)[0] == outputs.NEAR_TIE
+    e.margin = tie(outputs.NEAR_TIE_NATS)
+    assert classify(e)[0] == outputs.NEAR_TIE
+    for margin in (tie(2 * outputs.NEAR_TIE_NATS), tie(0.0, rank=3), tie(None, rank=None), None):
+        e.margin = margin
+        assert classify(e)[0] == outputs.UNEXPLAINED, margin
+    e.margin, e.pd_alone = tie(0.0), None  # the P/D path alone not asked: not enough
+    assert classify(e)[0] == outputs.UNEXPLAINED
+    e.kv = "victim"  # different bytes decide it, tie or not
+    assert classify(e)[0] == outputs.KV_DIFFERS
+
+
+def test_divergence_finds_where_the_answer_parts_and_how_close_the_choices_were():
+    tokens = ["w10", "w11", "w12"]
+    top = [{"w10": -1.0, "w5": -2.0}, {"w11": -1.5, "w99": -1.5, "w7": -3.0}, {"w12": -1.0}]
+    assert outputs.divergence(REF, tokens, top) is None
+    assert outputs.divergence(OTHER, tokens, top) == {"position": 1, "token": "w11", "output_token": "w99",
+                                                      "rank": 2, "gap": 0.0}
+    # The answer's token is not among the top choices: no rank, no gap.
+    assert outputs.divergence(" w10 w42 w12", tokens, top) == {"position": 1, "token": "w11", "output_token": None,
+                                                               "rank": None, "gap": None}
+    # Tokens that carry their own space (byte-level BPE), and the third choice.
+    assert outputs.divergence(" a c", [" a", " b"], [{" a": -1.0}, {" b": -1.0, " x": -1.2, " c": -2.0}]) == {
+        "position": 1, "token": "b", "output_token": "c", "rank": 3, "gap": 1.0}
+    # A whitespace token (a newline) is skipped, not taken for where they part.
+    assert outputs.divergence(" a\n b c", [" a", "\n", " b", " d"],
+                              [{" a": -1.0}, {"\n": -1.0}, {" b": -1.0}, {" d": -1.0, " c": -1.0}])["position"] == 3
+    body = {"choices": [{"logprobs": {"tokens": tokens, "top_logprobs": top}}]}
+    assert outputs.margin_of(body, OTHER)["rank"] == 2
+    assert outputs.margin_of({"choices": [{"logprobs": None}]}, OTHER) is None
+
+
 def test_a_producer_that_is_not_deterministic_alone_is_not_a_batch_effect():
     assert classify(ev(alone=(REF, OTHER)))[0] == outputs.UNEXPLAINED
     assert classify(ev(alone=()))[0] == outputs.UNEXPLAINED
 
 
-def test_a_change_past_the_prompt_that_reaches_the_output_is_not_numerics():
-    """change_tail: the prompt's bytes agree, but if the same P/D path without
-    the change answers otherwise, the changed bytes past the prompt were used."""
-    assert classify(ev(tail_rerun=REF))[0] == outputs.PAST_PROMPT
-    assert classify(ev(tail_rerun=REF, batched=(REF,)))[0] == outputs.PAST_PROMPT
+def test_a_change_meant_past_the_prompt_that_reaches_the_output_is_the_kv_not_numerics():
+    """change_tail: the digested rows agree, but if the same P/D path without
+    the change gives the reference, the change reached KV the consumer used."""
+    assert classify(ev(tail_rerun=REF))[0] == outputs.UNCOVERED
+    assert classify(ev(tail_rerun=REF, batched=(REF,)))[0] == outputs.UNCOVERED
     assert classify(ev(tail_rerun=" w1 w2 w3"))[0] == outputs.UNEXPLAINED
     assert classify(ev(tail_rerun=OTHER))[0] == outputs.NUMERICS
 
 
 def test_judge_counts_by_class_and_keeps_the_differing_texts():
     got = outputs.judge([ev(output=REF), ev(), ev(kv="victim"), ev(batched=(REF,))])
-    assert {k: got[k] for k in outputs.CLASSES} == {outputs.EQUAL: 1, outputs.NUMERICS: 1, outputs.KV_DIFFERS: 1,
-                                                    outputs.KV_UNKNOWN: 0, outputs.PAST_PROMPT: 0, outputs.PD_PATH: 0,
-                                                    outputs.UNEXPLAINED: 1}
+    assert {k: got[k] for k in outputs.CLASSES} == {
+        outputs.EQUAL: 1, outputs.NUMERICS: 1, outputs.KV_DIFFERS: 1, outputs.KV_UNKNOWN: 0, outputs.UNCOVERED: 0,
+        outputs.PD_PATH: 0, outputs.NEAR_TIE: 0, outputs.UNEXPLAINED: 1}
     assert [d["verdict"] for d in got["differing"]] == [outputs.NUMERICS, outputs.KV_DIFFERS, outputs.UNEXPLAINED]
     assert all(d["output"] == OTHER and d["reference"] == REF for d in got["differing"])
     line = outputs.summary_line(got)
@@ -97,7 +138,7 @@ class FakeServer:
             with self.lock:
                 self.companions.append((prompt, n))
                 self.in_flight.add(prompt)
-            time.sleep(0.2)
+            time.sleep(0.5)  # long enough for the prompt's run to see it in flight
             with self.lock:
                 self.in_flight.discard(prompt)
             return "x"
@@ -116,6 +157,11 @@ class FakeServer:
 
 
 COMPANIONS = [(f"c{i}", 10) for i in range(7)]
+
+
+@pytest.fixture(autouse=True)
+def short_stagger(monkeypatch):
+    monkeypatch.setattr(outputs, "STAGGER_S", 0.2)
 
 
 def test_probe_runs_the_prompt_alone_then_with_companions_at_once_until_it_changes():
