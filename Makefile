@@ -11,6 +11,12 @@ DEMO_ARGS ?=
 SOAK_ARGS ?=
 BASE ?=
 PY := .venv/bin/python
+# Python writes bytecode (__pycache__) on first import, so later processes read it instead of
+# compiling again: setup installs without bytecode (ci/setup.sh), and an environment that sets
+# PYTHONDONTWRITEBYTECODE (this workplace's does) would otherwise make every process compile
+# torch, transformers and vLLM from source: about 9 s of CPU more per process importing vLLM,
+# over the several hundred processes of make test and check-series (docs/workbench.md, CI time).
+unexport PYTHONDONTWRITEBYTECODE
 WORKBENCH := cd scripts && ../$(PY) -m workbench
 
 .PHONY: help demo soak rollback setup setup-0.34 test test-0.34 test-unit test-e2e test-upstream test-upstream-0.34 apply unapply wheels refresh check-series check-series-0.34 in-step rebase-check bench clean

@@ -4,4 +4,5 @@
 # (default 2, each in a worktree of its own; 1 checks them one by one).
 set -euo pipefail
 cd "$(dirname "$0")/../scripts"
+unset PYTHONDONTWRITEBYTECODE  # Python writes bytecode on first import (Makefile)
 exec ../.venv/bin/python -m workbench check-series --device "${VLLM_DEVICE:-cpu}" --jobs "${CHECK_SERIES_JOBS:-2}"

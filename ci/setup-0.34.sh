@@ -25,6 +25,7 @@
 # only a folder that is a virtualenv (pyvenv.cfg) or empty.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # Python writes bytecode on first import (Makefile)
 VLLM_VERSION=0.34.0
 VENV=${VENV_034:-build/venv-$VLLM_VERSION}
 PYTHON=${PYTHON:-python3}

@@ -5,6 +5,7 @@
 # package (editable). Re-running skips what is current.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # Python writes bytecode on first import (Makefile)
 DEVICE=${VLLM_DEVICE:-cpu}
 PYTHON=${PYTHON:-python3}
 case "$DEVICE" in cpu|cuda) ;; *) echo "VLLM_DEVICE must be cpu or cuda, not '$DEVICE'" >&2; exit 2;; esac
@@ -51,7 +52,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # --no-compile: no bytecode for the 294 MB of Python installed (21,865 files); Python writes it
   # on first import for the quarter the tests import (71 MB), instead of pip for all of it
   # (about 45 s of CPU at 6.6 MB/s here; 350 s apart with and without, for the wheel venv of
-  # docs/install.md on a loaded machine).
+  # docs/install.md on a loaded machine). That holds only where PYTHONDONTWRITEBYTECODE is unset:
+  # the Makefile unexports it, and this script unsets it for a direct call.
   .venv/bin/python -m pip install -q --no-compile -r "requirements/$DEVICE.txt" 2>&1 | grep -v "is ignored: it is neither" || true
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored: it is neither" || true
   .venv/bin/python -c "import torch, numpy, msgpack, pytest, hypothesis"  # fail here, not later

@@ -8,6 +8,7 @@
 # Exits non-zero on any failure, and on a pytest run that collected no test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # Python writes bytecode on first import (Makefile)
 start=$(date +%s)
 status=0
 echo "== project tests on vLLM 0.34.0 (tests/unit, tests/integration; not e2e or cpu_runtime) =="

@@ -49,7 +49,7 @@ class Base:
         path = [str(tree), str(ROOT)]
         if not self.cpu_wheel:
             path.append(str(Path(__file__).resolve().parent))  # triton_switch
-        env = {"KVCS_VLLM_TREE": str(tree), "PYTHONPATH": os.pathsep.join(path)}
+        env = {"KVCS_VLLM_TREE": str(tree), "PYTHONPATH": os.pathsep.join(path), **OFFLINE_HF}
         if device == "cpu":
             # On PYTHONPATH the tree's own vllm.egg-info (from the sdist) shadows
             # the +cpu dist-info that platform detection reads.
@@ -60,6 +60,12 @@ class Base:
     def pytest_plugins(self) -> tuple[str, ...]:
         return () if self.cpu_wheel else ("triton_switch",)
 
+
+# The offline Hugging Face set-up that tests/conftest.py gives the project's tests when unset
+# (config-only cache entries, nothing downloaded). Given to their processes from the start,
+# because a fork server (zygote.py) imports huggingface_hub and transformers, which read
+# these when imported, before any conftest runs.
+OFFLINE_HF = {"HF_HOME": str(BUILD / "hf-home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 BASES = {
     "0.32.0": Base("0.32.0", PATCHES, TREE, ROOT / ".venv" / "bin" / "python", "make setup", True),

@@ -35,6 +35,7 @@ from statistics import median
 from typing import Callable
 
 from .series import Patch, run
+from .zygote import ForkServer
 
 # A test module marked e2e as a whole, or a test in it: `pytestmark = ...pytest.mark.e2e...`
 # or an `@pytest.mark.e2e` decorator at the start of a line.
@@ -184,6 +185,48 @@ class Outcome:
         return sum(r.cpu_s for r in self.results)
 
 
+# The exit status of a check process whose import of the patched modules failed (pytest's are 0-5).
+IMPORT_FAILED = 97
+_IMPORTS_LINE = "[check-series] imported the patched modules:"
+
+
+def import_check_code(tree: Path, modules: list[str], pytest_args: list[str] | None = None) -> str:
+    """`python -c` code: import vLLM from `tree` and every module in `modules`
+    (exit IMPORT_FAILED on any error), then, given pytest_args, run pytest in
+    the same process, so a prefix pays for importing torch and vLLM once."""
+    code = ("import importlib, os, sys, time, traceback\n"
+            "t0, c0 = time.monotonic(), time.process_time()\n"
+            "try:\n"
+            "    import vllm\n"
+            f"    assert vllm.__file__.startswith({str(tree)!r}), vllm.__file__\n"
+            f"    for m in {modules!r}:\n"
+            "        importlib.import_module(m)\n"
+            "except BaseException:\n"
+            "    traceback.print_exc()\n"
+            f"    sys.exit({IMPORT_FAILED})\n"
+            f"print({_IMPORTS_LINE!r}, round(time.process_time() - c0, 1), 's CPU',"
+            " round(time.monotonic() - t0, 1), 's wall', flush=True)\n")
+    if pytest_args is not None:
+        code += f"import pytest\nsys.exit(int(pytest.main({pytest_args!r})))\n"
+    return code
+
+
+def imports_seconds(output: str) -> tuple[float, float]:
+    """(wall s, CPU s) the import check printed; zeros when it printed none."""
+    for line in output.splitlines():
+        if line.startswith(_IMPORTS_LINE):
+            words = line[len(_IMPORTS_LINE):].split()
+            try:
+                return float(words[3]), float(words[0])
+            except (IndexError, ValueError):
+                break
+    return 0.0, 0.0
+
+
+def import_failure(name: str, output: str) -> str:
+    return f"{name}: importing the patched modules failed:\n{output[-3000:]}"
+
+
 def run_measured(cmd: list[str], cwd: Path, env: dict, log_path: Path) -> tuple[int, str, float, float]:
     """Run cmd with its output in log_path: (exit code, output, wall s, CPU s of it and its reaped children)."""
     start = time.monotonic()
@@ -209,6 +252,7 @@ class _Lane:
         self.base = run(["git", "rev-parse", "HEAD"], cwd=tree).stdout.strip()
         self.applied = 0
         self.am_output = ""   # what `git am` said when a patch did not apply
+        self.server: ForkServer | None = None  # the lane's fork server (zygote.py), when it has one
 
 
 class LaneRunner:
@@ -219,7 +263,8 @@ class LaneRunner:
     def __init__(self, patches: list[Patch], worktree: Callable[[int], Path], env_for: Callable[[Path], dict],
                  *, root: Path, timings_path: Path, log_dir: Path, jobs: int = 2,
                  pytest_args: list[str] | None = None, python: str = sys.executable,
-                 say: Callable[[str], None] = lambda m: print(f"[workbench] {m}", flush=True)):
+                 say: Callable[[str], None] = lambda m: print(f"[workbench] {m}", flush=True),
+                 fork_server: bool = True):
         self.patches = patches
         self.worktree = worktree
         self.env_for = env_for
@@ -230,6 +275,7 @@ class LaneRunner:
         self.pytest_args = list(pytest_args or [])
         self.python = python
         self.say = say
+        self.fork_server = fork_server  # prefixes forked from a server per lane (zygote.py)
         self._lock = threading.Lock()
         self._results: dict[int, PrefixResult] = {}
         self._first_bad: int | None = None   # the first patch found not to apply
@@ -280,28 +326,41 @@ class LaneRunner:
         env = self.env_for(lane.tree)
         stem = f"{prefix.index:02d}-{Path(name).stem}"
         mods = patched_modules(self.patches[:prefix.index])
-        code = "import importlib, vllm, sys\n" \
-               f"assert vllm.__file__.startswith({str(lane.tree)!r}), vllm.__file__\n" \
-               f"for m in {mods!r}:\n    importlib.import_module(m)\n"
-        rc, out, wall, cpu = run_measured([self.python, "-c", code], self.root, env,
-                                          self.log_dir / f"{stem}.import.log")
-        res.wall_s, res.cpu_s = res.import_wall_s, res.import_cpu_s = wall, cpu
-        if rc != 0:
-            res.summary, res.failure = "import failed", f"{name}: importing the patched modules failed:\n{out[-3000:]}"
-        elif not prefix.tests:
-            res.summary = "names no tests"
-            res.failure = f"{name}: names no tests (add a 'Tests:' line to its message)"
-        else:
-            cmd = [self.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *prefix.tests, *self.pytest_args]
-            rc, out, wall, cpu = run_measured(cmd, self.root, env, self.log_dir / f"{stem}.log")
-            res.wall_s += wall
-            res.cpu_s += cpu
-            tail = out.strip().splitlines()[-1:] or [f"exit {rc}"]
-            res.summary = f"imported {len(mods)} modules; {' '.join(prefix.tests)}: {tail[0]}"
+        if not prefix.tests:
+            rc, out, wall, cpu = self._measured(lane, import_check_code(lane.tree, mods), env,
+                                                self.log_dir / f"{stem}.import.log")
+            res.wall_s, res.cpu_s = res.import_wall_s, res.import_cpu_s = wall, cpu
             if rc != 0:
-                res.failure = f"{name}: its tests failed:\n{out[-4000:]}"
+                res.summary, res.failure = "import failed", import_failure(name, out)
+            else:
+                res.summary = "names no tests"
+                res.failure = f"{name}: names no tests (add a 'Tests:' line to its message)"
+        else:
+            # One process: the import check, then pytest in it (vLLM and torch imported once).
+            pytest_args = ["-q", "-p", "no:cacheprovider", *prefix.tests, *self.pytest_args]
+            rc, out, wall, cpu = self._measured(lane, import_check_code(lane.tree, mods, pytest_args), env,
+                                                self.log_dir / f"{stem}.log")
+            res.wall_s, res.cpu_s = wall, cpu
+            res.import_wall_s, res.import_cpu_s = imports_seconds(out)
+            tail = out.strip().splitlines()[-1:] or [f"exit {rc}"]
+            if rc == IMPORT_FAILED:
+                res.summary, res.failure = "import failed", import_failure(name, out)
+            else:
+                res.summary = f"imported {len(mods)} modules; {' '.join(prefix.tests)}: {tail[0]}"
+                if rc != 0:
+                    res.failure = f"{name}: its tests failed:\n{out[-4000:]}"
         res.ended = time.monotonic()
         self._record(res)
+
+    def _measured(self, lane: _Lane, code: str, env: dict, log_path: Path) -> tuple[int, str, float, float]:
+        """`python -c code` in the project root, forked from the lane's fork server
+        when it has one (torch and the libraries imported once per lane), else a
+        new process: (exit status, output, wall s, CPU s)."""
+        start = time.monotonic()
+        ran = lane.server.run(code, self.root, log_path) if lane.server is not None else None
+        if ran is None:
+            return run_measured([self.python, "-c", code], self.root, env, log_path)
+        return ran[0], log_path.read_text(errors="replace"), time.monotonic() - start, ran[1]
 
     def _run_lane(self, lane: _Lane, indices: list[int]) -> None:
         for index in indices:
@@ -334,11 +393,20 @@ class LaneRunner:
             with made:
                 lane = _Lane(n, self.worktree(n))
                 lanes.append(lane)
+            if self.fork_server:
+                # The lane's environment is the same for all its prefixes (its worktree's path).
+                lane.server = ForkServer(self.python, self.env_for(lane.tree),
+                                         self.log_dir / f"fork-server-lane-{n}.log")
             self._run_lane(lane, plan.lanes[n])
 
-        with ThreadPoolExecutor(max_workers=len(plan.lanes)) as pool:
-            list(pool.map(lane_run, range(len(plan.lanes))))
-        self._run_lane(next(lane for lane in lanes if lane.number == 0), plan.alone)
+        try:
+            with ThreadPoolExecutor(max_workers=len(plan.lanes)) as pool:
+                list(pool.map(lane_run, range(len(plan.lanes))))
+            self._run_lane(next(lane for lane in lanes if lane.number == 0), plan.alone)
+        finally:
+            for lane in lanes:
+                if lane.server is not None:
+                    lane.server.close()
         results = [self._results[i] for i in sorted(self._results)]
         unchecked = [p.index for p in self._prefixes if p.index not in self._results]
         for r in results:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import queue
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from .series import SeriesError
 from .tree import BUILD, ROOT, TREE, download_sdist, log, unpack_sdist
+from .zygote import ForkServer
 
 UPSTREAM = ROOT / "tests" / "upstream"
 GATE_FILES = UPSTREAM / "gate-files.txt"
@@ -190,33 +192,44 @@ def rerun_alone(tree: Path, nodeid: str, out_dir: Path, base: Base | None = None
 
 
 def pytest_command(rel: str, base: Base | None = None) -> list[str]:
-    """The command line of one test process: the base's Python, its plugins."""
+    """The command line of one test process: the base's Python, its plugins.
+    `gc_freeze` keeps vLLM's per-test cleanup from re-walking every import
+    (gc_freeze.py); baseline and gate runs both load it."""
     base = base or get_base(None)
     plugins = [a for p in base.plugins for a in ("-p", p)]
-    return [str(base.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "outcomes_plugin", *plugins,
+    return [str(base.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "outcomes_plugin",
+            "-p", "gc_freeze", *plugins,
             "-p", "no:randomly", f"--timeout={TEST_TIMEOUT_S}", rel]
 
 
-def run_file(tree: Path, rel: str, out_dir: Path, base: Base | None = None) -> tuple[str, dict[str, str], float, str]:
+def run_file(tree: Path, rel: str, out_dir: Path, base: Base | None = None,
+             server: ForkServer | None = None) -> tuple[str, dict[str, str], float, str]:
     """Run one upstream test file (or one test id) on `tree`: (rel, outcome by
-    test id, seconds, the log's last line)."""
+    test id, seconds, the log's last line). With a fork server (zygote.py, started
+    with gate_env(tree, base)) the file runs in a fork of it, else in a new process."""
     stem = outcome_stem(rel)
     outcomes = out_dir / (stem + ".txt")
     outcomes.unlink(missing_ok=True)
-    env = gate_env(tree, base)
-    env["KVCS_OUTCOMES"] = str(outcomes)
     start = time.monotonic()
     cmd = pytest_command(rel, base)
     log_path = out_dir / (stem + ".log")
-    with open(log_path, "w") as log_file:
-        proc = subprocess.run(cmd, cwd=tree, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    ran = None
+    if server is not None:
+        code = f"import sys, pytest\nsys.exit(pytest.main({cmd[3:]!r}))\n"  # after `python -m pytest`
+        ran = server.run(code, tree, log_path, {"KVCS_OUTCOMES": str(outcomes)})
+    if ran is None:
+        env = gate_env(tree, base)
+        env["KVCS_OUTCOMES"] = str(outcomes)
+        with open(log_path, "w") as log_file:
+            proc = subprocess.run(cmd, cwd=tree, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        ran = (proc.returncode, 0.0)
     elapsed = time.monotonic() - start
     results = {}
     if outcomes.exists():
         for line in outcomes.read_text().splitlines():
             outcome, _, nodeid = line.partition(" ")
             results[nodeid] = outcome
-    tail = log_path.read_text().strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+    tail = log_path.read_text().strip().splitlines()[-1:] or [f"exit {ran[0]}"]
     return rel, results, elapsed, tail[0]
 
 
@@ -293,13 +306,27 @@ def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only
     order = sorted(files, key=lambda f: -timings.get(f, 1e9))
     all_results: dict[str, str] = {}
     counts = {}
+    # One fork server per job (zygote.py): torch and the other libraries imported once each.
+    servers: queue.SimpleQueue = queue.SimpleQueue()
+    for n in range(jobs):
+        servers.put(ForkServer(b.python, gate_env(tree, b), out_dir / f"fork-server-{n + 1}.log"))
+
+    def run_one(rel: str):
+        server = servers.get()
+        try:
+            return run_file(tree, rel, out_dir, b, server)
+        finally:
+            servers.put(server)
+
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for rel, results, elapsed, tail in pool.map(lambda f: run_file(tree, f, out_dir, b), order):
+        for rel, results, elapsed, tail in pool.map(run_one, order):
             timings[rel] = elapsed
             all_results.update(results)
             c = {k: sum(1 for v in results.values() if v == k) for k in sorted(set(results.values()))}
             counts[rel] = c
             log(f"  {rel}: {', '.join(f'{v} {k}' for k, v in c.items()) or 'no results'} ({elapsed:.0f} s) | {tail}")
+    while not servers.empty():
+        servers.get().close()
     timings_path.write_text(json.dumps(timings, indent=1, sort_keys=True))
     (out_dir / "counts.json").write_text(json.dumps(counts, indent=1, sort_keys=True))
     log(f"upstream gate took {time.monotonic() - start:.0f} s")

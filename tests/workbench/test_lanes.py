@@ -207,11 +207,24 @@ def test_lanes_check_each_prefix_on_its_own_tree_and_report_in_order(tmp_path):
     alone = by_index[3]
     assert all(r.ended <= alone.started or r.started >= alone.ended for r in outcome.results if r.index != 3)
     assert all(r.wall_s > 0 and r.cpu_s > 0 for r in outcome.results)
+    # A prefix with tests is one process: the import check, then pytest in it.
+    logs = tmp_path / "logs"
+    first = (logs / f"01-{Path(by_index[1].name).stem}.log").read_text()
+    assert first.index(L._IMPORTS_LINE) < first.index("1 passed")
+    assert not list(logs.glob("01-*.import.log")) and list(logs.glob("05-*.import.log"))
+    assert "1 passed" not in (logs / f"06-{Path(by_index[6].name).stem}.log").read_text()
     # Its seconds are the next run's plan.
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert sorted(timings) == sorted(r.name for r in outcome.results)
     lines = [ln for ln in L.render(outcome).splitlines() if ln.strip().startswith("[")]
     assert [ln.split("]")[0].strip() for ln in lines] == [f"[ {i}/6" for i in range(1, 7)]
+
+
+def test_the_import_check_says_its_seconds_and_a_missing_line_reads_as_none():
+    out = f"noise\n{L._IMPORTS_LINE} 12.5 s CPU 20.25 s wall\n3 passed in 9s\n"
+    assert L.imports_seconds(out) == (20.25, 12.5)
+    assert L.imports_seconds("3 passed\n") == (0.0, 0.0)
+    assert L.imports_seconds(f"{L._IMPORTS_LINE} garbled\n") == (0.0, 0.0)
 
 
 def test_a_patch_that_does_not_apply_fails_and_nothing_after_it_is_checked(tmp_path):

@@ -38,7 +38,7 @@ def test_the_default_base_is_todays_gate():
     cmd = U.pytest_command("tests/x.py")
     assert cmd[0] == sys.executable and "triton_switch" not in cmd
     assert cmd == [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "outcomes_plugin",
-                   "-p", "no:randomly", f"--timeout={U.TEST_TIMEOUT_S}", "tests/x.py"]
+                   "-p", "gc_freeze", "-p", "no:randomly", f"--timeout={U.TEST_TIMEOUT_S}", "tests/x.py"]
     path = U.gate_env(Path("/t")).get("PYTHONPATH").split(os.pathsep)
     assert path == ["/t", str(ROOT / "scripts" / "workbench"), str(U.SITE_HOOKS), str(U.GATE_SITE)]
 
@@ -53,6 +53,8 @@ def test_the_034_base_has_its_own_lists_venv_and_switch():
     cmd = U.pytest_command("tests/x.py", base)
     assert cmd[0] == str(base.python)
     assert cmd[cmd.index("triton_switch") - 1] == "-p"
+    # Both bases' gate (baseline and patched runs alike) freeze what collection imported.
+    assert cmd[cmd.index("gc_freeze") - 1] == "-p"
     # No torchvision hook nor gate-only packages: its venv's torchvision loads.
     path = U.gate_env(Path("/t"), base)["PYTHONPATH"].split(os.pathsep)
     assert path == ["/t", str(ROOT / "scripts" / "workbench")]
