@@ -13,10 +13,13 @@ REQUEST_TIMEOUT_S = 180.0
 
 
 def completion(client: httpx.Client, url: str, prompt: str | list[int], *, max_tokens: int = OUTPUT_TOKENS,
-               request_id: str | None = None, kv_transfer_params: dict | None = None) -> tuple[int, dict]:
+               request_id: str | None = None, kv_transfer_params: dict | None = None,
+               logprobs: int | None = None) -> tuple[int, dict]:
     body: dict = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     headers = {"X-Request-Id": request_id} if request_id else {}
     r = client.post(f"{url}/v1/completions", json=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
     try:

@@ -198,3 +198,43 @@ def test_the_soak_fails_only_on_an_unexplained_difference():
         soak.judge_outputs(report)
         assert report["ok"] is not fails, judged
         assert bool(report["failures"]) is fails
+
+
+def demo_request(phase, problem="output differs from the single-engine reference"):
+    from kvcs_demo import demo
+
+    return demo.RequestResult(f"demo.x.{phase}.000.r", phase, 200, "verified", None, "verified", None, {}, False,
+                              output=OTHER, reference=REF, ok=not problem, problem=problem)
+
+
+@pytest.mark.parametrize("cls, passes", [(outputs.NUMERICS, True), (outputs.NEAR_TIE, True),
+                                         (outputs.KV_DIFFERS, False), (outputs.UNCOVERED, False),
+                                         (outputs.PD_PATH, False), (outputs.UNEXPLAINED, False),
+                                         (outputs.KV_UNKNOWN, False)])
+def test_the_demo_passes_a_differing_clean_output_only_when_shown_numerics(monkeypatch, tmp_path, cls, passes):
+    """A verified load whose output differs failed the demo; now it passes when
+    its class says numerics, and change_tail is reported, never judged."""
+    from kvcs_demo import demo
+    from kvcs_demo.setups import Setup
+
+    monkeypatch.setattr(demo, "_output_class", lambda *a: (cls, "why"))
+    clean, tail = demo_request("clean"), demo_request("change_tail", problem="")
+    demo.explain_outputs(Setup("x", tmp_path), "http://proxy", [demo.PhaseResult("clean", [clean]),
+                                                                 demo.PhaseResult("change_tail", [tail])])
+    assert clean.output_class == cls and clean.ok is passes
+    assert (clean.problem == "") is passes and (passes or cls in clean.problem)
+    assert tail.output_class == cls and tail.ok and tail.problem == ""
+
+
+def test_the_demo_says_when_the_evidence_could_not_be_gathered(monkeypatch, tmp_path):
+    from kvcs_demo import demo
+    from kvcs_demo.setups import Setup
+
+    def broken(*a):
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(demo, "_output_class", broken)
+    clean = demo_request("clean")
+    demo.explain_outputs(Setup("x", tmp_path), "http://proxy", [demo.PhaseResult("clean", [clean])])
+    assert clean.output_class == outputs.KV_UNKNOWN and not clean.ok
+    assert "evidence not gathered: OSError: connection refused" in clean.problem

@@ -457,3 +457,22 @@ def test_a_load_its_writing_rank_wrote_anyway_is_not_failed_for_the_miss():
 
     assert "A" in d._recving_transfers and d._failed_recv_reqs.empty()
     assert d._push_reg_retries() == {}
+
+
+def test_a_load_failed_for_a_restart_is_not_failed_again_for_its_missed_rank():
+    """Rank 1 missed the registration, rank 0 wrote, then both restarted: the
+    restart fails the load; the missed rank adds no second failure."""
+    producer = Producer("old-0", "old-1")
+    producer.alive.discard("old-1")
+    d = consumer(producer)
+    d._push_lease_s = 0.0
+    register(d, "A")
+    d._fail_recvs_of_replaced_producers()  # the main thread records what it reached
+    d._remote_agents["producer"] = {(0, 0): "new-0", (0, 1): "new-1"}
+    d._pending_completion_notifs.put(b"A:2")  # rank 0's WRITE landed before it died
+
+    d._fail_recvs_of_replaced_producers()
+    d._get_new_notifs()
+
+    assert d._failed_recv_reqs.get_nowait() == "A" and d._failed_recv_reqs.empty()
+    assert d.xfer_stats.data["num_failed_transfers"] == [1]
