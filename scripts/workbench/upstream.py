@@ -271,6 +271,18 @@ def check_tree(tree: Path, base: Base) -> None:
                           f"pass --base {found.split('+', 1)[0]}, or --tree a {base.version} tree")
 
 
+def run_order(files: list[str], timings: dict[str, float], tree: Path) -> list[str]:
+    """Longest first, so the jobs finish together: by the last run's seconds (a
+    file without any first); on a fresh clone, with none, by the test file's size."""
+    if not timings:
+        def size(rel: str) -> int:
+            path = tree / rel.split("::", 1)[0]
+            return path.stat().st_size if path.is_file() else 0
+
+        return sorted(files, key=lambda f: -size(f))
+    return sorted(files, key=lambda f: -timings.get(f, 1e9))
+
+
 def check_python(base: Base) -> None:
     if not base.python.is_file():
         raise SeriesError(f"the vLLM {base.version} gate runs its tests with {base.python}, which does not exist: "
@@ -303,7 +315,7 @@ def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only
     # Longest files first, from the last run's timings, so the two lanes finish together.
     timings_path = out_dir / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
-    order = sorted(files, key=lambda f: -timings.get(f, 1e9))
+    order = run_order(files, timings, tree)
     all_results: dict[str, str] = {}
     counts = {}
     # One fork server per job (zygote.py): torch and the other libraries imported once each.

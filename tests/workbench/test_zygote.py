@@ -131,3 +131,13 @@ def test_test_processes_start_with_the_offline_hf_setup_conftest_gives_them(tmp_
     out = subprocess.run([sys.executable, "-c", probe], cwd=bases.ROOT, env=clean, capture_output=True, text=True,
                          check=True).stdout
     assert eval(out) == bases.OFFLINE_HF == {k: env[k] for k in bases.OFFLINE_HF}
+
+
+def test_the_gate_runs_long_files_first_by_last_times_or_else_by_size(tmp_path):
+    (tmp_path / "t").mkdir()
+    for name, size in (("small.py", 10), ("big.py", 3000), ("mid.py", 500)):
+        (tmp_path / "t" / name).write_text("#" * size)
+    files = ["t/small.py", "t/big.py", "t/mid.py", "t/gone.py"]
+    assert U.run_order(files, {}, tmp_path) == ["t/big.py", "t/mid.py", "t/small.py", "t/gone.py"]
+    timed = {"t/small.py": 90.0, "t/big.py": 2.0, "t/mid.py": 30.0}
+    assert U.run_order(files, timed, tmp_path) == ["t/gone.py", "t/small.py", "t/mid.py", "t/big.py"]
