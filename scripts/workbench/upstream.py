@@ -271,6 +271,11 @@ def check_tree(tree: Path, base: Base) -> None:
                           f"pass --base {found.split('+', 1)[0]}, or --tree a {base.version} tree")
 
 
+# What the gate's fork servers import beyond zygote.PRELOAD: vLLM itself, from the one tree
+# every file of a gate run uses (the baseline's runs preload the unpatched tree the same way).
+GATE_PRELOAD = ("vllm", "vllm.config", "vllm.v1.core.sched.scheduler")
+
+
 def run_order(files: list[str], timings: dict[str, float], tree: Path) -> list[str]:
     """Longest first, so the jobs finish together: by the last run's seconds (a
     file without any first); on a fresh clone, with none, by the test file's size."""
@@ -321,7 +326,7 @@ def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only
     # One fork server per job (zygote.py): torch and the other libraries imported once each.
     servers: queue.SimpleQueue = queue.SimpleQueue()
     for n in range(jobs):
-        servers.put(ForkServer(b.python, gate_env(tree, b), out_dir / f"fork-server-{n + 1}.log"))
+        servers.put(ForkServer(b.python, gate_env(tree, b), out_dir / f"fork-server-{n + 1}.log", also=GATE_PRELOAD))
 
     def run_one(rel: str):
         server = servers.get()

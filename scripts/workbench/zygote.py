@@ -55,8 +55,12 @@ def enabled() -> bool:
 class ForkServer:
     """One server process; serves one run at a time (a lane or job slot each)."""
 
-    def __init__(self, python: str | Path, env: dict[str, str], stderr_log: Path):
+    def __init__(self, python: str | Path, env: dict[str, str], stderr_log: Path, also: tuple[str, ...] = ()):
+        """`also`: modules to preload beyond PRELOAD, for a server whose every run
+        uses the same tree (the gate preloads vLLM from it; check-series cannot)."""
         self.python, self.env, self.stderr_log = str(python), dict(env), stderr_log
+        if also:
+            self.env["KVCS_FORK_SERVER_ALSO"] = ",".join(also)
         self._proc: subprocess.Popen | None = None
         self._broken = not enabled()
         self._lock = threading.Lock()
@@ -168,7 +172,8 @@ def _serve() -> int:
     os.dup2(2, 1)  # stray prints of the preloads go to the server's stderr log
     import importlib
 
-    for name in PRELOAD:
+    also = [m for m in os.environ.pop("KVCS_FORK_SERVER_ALSO", "").split(",") if m]
+    for name in (*PRELOAD, *also):
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - a missing or broken library is simply not preloaded

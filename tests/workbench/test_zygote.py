@@ -141,3 +141,13 @@ def test_the_gate_runs_long_files_first_by_last_times_or_else_by_size(tmp_path):
     assert U.run_order(files, {}, tmp_path) == ["t/big.py", "t/mid.py", "t/small.py", "t/gone.py"]
     timed = {"t/small.py": 90.0, "t/big.py": 2.0, "t/mid.py": 30.0}
     assert U.run_order(files, timed, tmp_path) == ["t/gone.py", "t/small.py", "t/mid.py", "t/big.py"]
+
+
+def test_a_server_preloads_what_it_is_also_given_from_its_path(tmp_path):
+    (tmp_path / "on-path").mkdir()
+    (tmp_path / "on-path" / "kvcs_probe_mod.py").write_text("import os\nLOADED_IN = os.getpid()\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "on-path"))
+    probe = "import os, sys\nm = sys.modules.get('kvcs_probe_mod')\n" \
+            "sys.exit(0 if m is not None and m.LOADED_IN != os.getpid() else 4)"
+    with ForkServer(sys.executable, env, tmp_path / "s.log", also=("kvcs_probe_mod",)) as server:
+        assert server.run(probe, tmp_path, tmp_path / "a.log") == (0, pytest.approx(0, abs=5))
