@@ -17,6 +17,12 @@ agent whose process is gone, as NIXL does (NIXL_ERR_REMOTE_DISCONNECT), and a
 handshake returns the agents of whichever producer process listens now. The
 consumer's scheduler in the first test is the real vLLM Scheduler with
 NixlPushConnector and the checksum workers (pd_harness).
+
+With a consumer of TP > 1 (the last tests) each consumer rank handshakes, as
+vLLM's does, with the producer ranks that write it only, and a producer rank
+writes every consumer rank it serves on the first registration it gets: a
+consumer rank gives a load up only where no other rank registers with the
+producer ranks it missed, so a failed load's blocks never take a WRITE.
 """
 
 from __future__ import annotations
@@ -382,23 +388,6 @@ def test_a_missed_rank_reached_on_retry_writes_and_the_load_completes():
     assert d._push_reg_agents["A"] == ("producer", frozenset({"agent-0", "agent-1"}))
 
 
-def test_a_missed_rank_that_writes_another_consumer_rank_fails_nothing():
-    """Producer TP 2 into consumer TP 2: rank 1 writes consumer rank 1 only,
-    which registers itself. Consumer rank 0's load needs rank 0 alone."""
-    producer = Producer("agent-0", "agent-1")
-    producer.alive.discard("agent-1")
-    d = consumer(producer)
-    d.world_size, d.tp_rank = 2, 0
-    d._push_lease_s = 0.0
-    register(d, "A")
-
-    assert not d.get_transfer_results().failed_recving
-    assert d._push_reg_retries() == {} and "A" in d._recving_metadata
-    d.world_size, d.tp_rank = 2, 1
-    assert [d._push_rank_writes_here(r, 2) for r in (0, 1)] == [False, True]
-    assert [d._push_rank_writes_here(0, 1) for d.tp_rank in (0, 1)] == [True, True]  # TP 1 into TP 2
-
-
 def test_a_load_that_ends_stops_its_retries():
     producer = Producer("agent-0", "agent-1")
     producer.alive.discard("agent-1")
@@ -440,25 +429,6 @@ def test_an_idle_consumers_writer_retries_without_its_engine_waking_it(monkeypat
     assert [agent for agent, _ in producer.received] == ["agent-0", "agent-1"]
 
 
-def test_a_load_its_writing_rank_wrote_anyway_is_not_failed_for_the_miss():
-    """Producer TP 2 into consumer TP 2: consumer rank 0's registration missed
-    producer rank 0, its writer, which got consumer rank 1's registration and
-    wrote both ranks' KV (a producer serves the first registration of a
-    request for every consumer rank). The load is complete, not failed."""
-    producer = Producer("agent-0", "agent-1")
-    producer.alive.discard("agent-0")
-    d = consumer(producer)
-    d.world_size, d.tp_rank = 2, 0
-    d._push_lease_s = 0.0
-    register(d, "A")
-    d._pending_completion_notifs.put(b"A:2")
-
-    d._get_new_notifs()
-
-    assert "A" in d._recving_transfers and d._failed_recv_reqs.empty()
-    assert d._push_reg_retries() == {}
-
-
 def test_a_load_failed_for_a_restart_is_not_failed_again_for_its_missed_rank():
     """Rank 1 missed the registration, rank 0 wrote, then both restarted: the
     restart fails the load; the missed rank adds no second failure."""
@@ -476,3 +446,210 @@ def test_a_load_failed_for_a_restart_is_not_failed_again_for_its_missed_rank():
 
     assert d._failed_recv_reqs.get_nowait() == "A" and d._failed_recv_reqs.empty()
     assert d.xfer_stats.data["num_failed_transfers"] == [1]
+
+
+# --- Consumer TP > 1: a consumer rank registers with the producer ranks that write it ---
+
+
+def consumer_rank(producer: Producer, tp_rank: int, tp_size: int, producer_tp: int, producer_dcp: int = 1):
+    """Consumer rank `tp_rank` of a TP `tp_size` engine. Its handshake, as
+    vLLM's, reaches the producer ranks vLLM's TransferTopology names for it
+    (the ranks that write it) and records the producer's TP."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo, TransferTopology
+
+    d = push_worker("consumer")
+    d.world_size, d.tp_rank = tp_size, tp_rank
+    d.transfer_topo = TransferTopology(tp_rank=tp_rank, tp_size=tp_size, block_size=16, engine_id="consumer",
+                                       is_mla=False, is_mamba=False, total_num_kv_heads=8, attn_backends=[])
+    d.nixl_wrapper.send_notif.side_effect = lambda agent, notif_msg: producer.send_notif(agent, notif_msg, tp_rank)
+
+    def handshake(engine_id, host, port, tp_size, *args, **kwargs):
+        targets = d.transfer_topo.handshake_target_ranks(producer_tp, producer_dcp)
+        d.transfer_topo.register_remote_engine(engine_id, EngineTransferInfo(
+            remote_tp_size=producer_tp, remote_block_len=1, remote_block_size=16,
+            remote_physical_blocks_per_logical=1, remote_dcp_size=producer_dcp))
+        with d._handshake_lock:
+            d._remote_agents.setdefault(engine_id, {(0, r): producer.agents[r] for r in targets})
+
+    d._ensure_handshake = handshake
+    # What the base worker reads of a load it reports done (its KV landed
+    # in place: no post-processing on this layout).
+    d.enable_permute_local_kv = d.enable_heterogeneous_attn_post_process = False
+    return d
+
+
+def register_load(d, request_id: str) -> None:
+    """register, with the metadata of a load that can complete."""
+    d._recving_metadata[request_id] = SimpleNamespace(
+        pp_size=1, local_block_ids=([7],), local_physical_block_ids=([7],), region_blocks_to_zero=None,
+        remote=SimpleNamespace(engine_id="producer", block_ids=([3],)))
+    register(d, request_id)
+
+
+class Links(Producer):
+    """A producer whose agents some consumer ranks cannot reach (one link
+    down), while others can."""
+
+    def __init__(self, *agents: str):
+        super().__init__(*agents)
+        self.down: set[tuple[int, str]] = set()  # (consumer rank, agent)
+
+    def send_notif(self, agent: str, notif_msg: bytes, consumer_rank: int = 0) -> None:
+        if (consumer_rank, agent) in self.down:
+            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+        super().send_notif(agent, notif_msg)
+
+
+def consumer_pair(producer_tp: int, *, fail_closed: bool = True):
+    """A TP 2 consumer engine: its real scheduler (pd_harness, two workers
+    merged by vLLM's KVOutputAggregator), one load waiting for its KV, and
+    its two ranks' push workers; a producer of `producer_tp` ranks."""
+    C = make_side("kv_consumer", tp=2, connector=CONNECTORS["push"], fail_closed=fail_closed, policy="fail")
+    P = make_side("kv_producer", connector=CONNECTORS["push"])
+    _, params = prefill(P, prompt_of(77))
+    params.pop("kv_checksums", None)
+    req = make_request(prompt_of(77), params=dict(params))
+    C.scheduler.add_request(req)
+    C.step()
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    producer = Links(*(f"agent-{r}" for r in range(producer_tp)))
+    ranks = [consumer_rank(producer, r, 2, producer_tp) for r in (0, 1)]
+    for d in ranks:
+        d._push_lease_s = 0.0  # the lease has passed by the first check (no waiting in a test)
+    return C, req, producer, ranks
+
+
+def consumer_step(C, ranks):
+    """One consumer engine step: each rank's connector results, merged."""
+    results = [d.get_transfer_results() for d in ranks]
+    C.step(finished_on={i: r.finished_recving for i, r in enumerate(results)},
+           failed_recving=set().union(*(r.failed_recving for r in results)))
+    return results
+
+
+def holds_blocks(C, req) -> bool:
+    pool = C.scheduler.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() < pool.num_gpu_blocks - 1  # all but the null block
+
+
+def test_producer_tp4_consumer_tp2_a_missed_rank_fails_the_load_only_after_the_rank_that_got_it_wrote():
+    """Producer TP 4 into consumer TP 2: consumer rank 0 registers with
+    producer ranks 0 and 1 (they write it), rank 1 with 2 and 3. Rank 0's
+    registration misses producer rank 0. A lease later, producer rank 1,
+    which got it, has not written yet (its prefill outlasts the lease):
+    consumer rank 0 must not give the load up, or, once consumer rank 1 has
+    its KV, the scheduler frees the blocks and producer rank 1's WRITE lands
+    in blocks another request may hold."""
+    C, req, producer, (d0, d1) = consumer_pair(producer_tp=4)
+    a = req.request_id
+    producer.down.add((0, "agent-0"))
+    register_load(d0, a)
+    register_load(d1, a)
+    assert sorted(agent for agent, _ in producer.received) == ["agent-1", "agent-2", "agent-3"]
+    for _ in range(2):  # producer ranks 2 and 3 write consumer rank 1
+        d1._pending_completion_notifs.put(f"{a}:4".encode())
+
+    results = consumer_step(C, (d0, d1))
+    assert results[1].finished_recving == {a} and not results[1].failed_recving
+    assert not results[0].finished_recving  # producer rank 1 may still write here
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and holds_blocks(C, req)
+
+    # Producer rank 1's WRITE lands (its notif): the blocks are still the load's.
+    d0._pending_completion_notifs.put(f"{a}:4".encode())
+    results = consumer_step(C, (d0, d1))
+    assert results[0].failed_recving == {a}
+    assert req.status is RequestStatus.FINISHED_ERROR and not holds_blocks(C, req)
+    assert d0.xfer_stats.data["num_failed_transfers"] == [1]
+
+
+def test_producer_tp1_consumer_tp2_a_rank_its_registration_missed_may_still_write_it():
+    """Producer TP 1 into consumer TP 2: producer rank 0 writes both consumer
+    ranks, and both register with it. Consumer rank 0's registration reaches
+    no agent, rank 1's does: the producer writes both when its prefill ends.
+    Consumer rank 0 must keep its blocks for that WRITE: failing at once
+    would free them as soon as rank 1's WRITE completes, with rank 0's still
+    to land. It completes instead."""
+    C, req, producer, (d0, d1) = consumer_pair(producer_tp=1, fail_closed=False)
+    a = req.request_id
+    producer.down.add((0, "agent-0"))
+    register_load(d0, a)
+    register_load(d1, a)
+    assert [agent for agent, _ in producer.received] == ["agent-0"]  # from consumer rank 1
+
+    d1._pending_completion_notifs.put(f"{a}:1".encode())  # rank 1's WRITE completes first
+    results = consumer_step(C, (d0, d1))
+    assert not results[0].finished_recving and not results[0].failed_recving
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and holds_blocks(C, req)
+
+    d0._pending_completion_notifs.put(f"{a}:1".encode())  # then rank 0's
+    results = consumer_step(C, (d0, d1))
+    assert results[0].finished_recving == {a} and not results[0].failed_recving
+    assert req.status is not RequestStatus.FINISHED_ERROR
+    assert not any(d0.xfer_stats.data["num_failed_transfers"])
+
+
+def test_a_shared_producer_rank_that_restarted_fails_the_load_it_may_have_held():
+    """Consumer rank 0 of TP 2 reached no agent of its TP 1 producer; another
+    consumer rank may have. It keeps the agents, which may still write the
+    load. Once heartbeats reach none and a new handshake shows new agents,
+    the process that may hold it is gone: the load fails."""
+    producer = Links("old-0")
+    producer.down.add((0, "old-0"))
+    d0 = consumer_rank(producer, 0, 2, producer_tp=1)
+    register(d0, "A")
+    assert not d0.get_transfer_results().failed_recving
+    assert set(d0._remote_agents["producer"].values()) == {"old-0"}
+    producer.restart("new-0")
+    d0._on_unreachable_remote_engine("producer", frozenset({"old-0"}))  # a heartbeat reached none
+    assert not d0.get_transfer_results().failed_recving
+    register(d0, "B")
+    assert [agent for agent, _ in producer.received] == ["new-0"]
+    assert d0.get_transfer_results().failed_recving == {"A"}
+
+
+def test_a_missed_rank_other_consumer_ranks_register_with_is_retried_not_given_up(caplog):
+    """A pipeline-parallel consumer: each stage's worker registers with the
+    same producer ranks, so a rank this worker missed may have another
+    stage's registration. Producer rank 1 wrote; a lease after the first
+    send the load keeps waiting for rank 0 (said once) and the writer keeps
+    sending it; reached, rank 0 writes and the load completes."""
+    producer = Links("agent-0", "agent-1")
+    producer.down.add((0, "agent-0"))
+    d0 = consumer_rank(producer, 0, 1, producer_tp=2)
+    d0.pp_size = 2
+    d0._push_lease_s = 0.0
+    register_load(d0, "A")
+    assert set(d0._remote_agents["producer"].values()) == {"agent-0", "agent-1"}
+    d0._pending_completion_notifs.put(b"A:2")  # rank 1 wrote
+    with capture_logger(caplog, "vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker"):
+        for _ in range(2):
+            assert not d0.get_transfer_results().failed_recving
+    said = {id(r) for r in caplog.records if "Another consumer rank" in r.getMessage()}
+    assert len(said) == 1  # once, however many steps it waits (a record may reach caplog twice)
+    producer.down.clear()
+    d0._push_reg_retries()["A"]["next_try"] = 0.0
+    d0._retry_push_registrations()
+    assert [agent for agent, _ in producer.received] == ["agent-1", "agent-0"]
+    d0._pending_completion_notifs.put(b"A:2")
+    d0.get_transfer_results()
+    assert d0._failed_recv_reqs.empty() and not any(d0.xfer_stats.data["num_failed_transfers"])
+
+
+@pytest.mark.parametrize("consumer_tp, producer_tp, producer_dcp, pp, alone", [
+    (1, 1, 1, 1, True), (1, 2, 1, 1, True), (2, 2, 1, 1, True), (2, 4, 1, 1, True),
+    (2, 1, 1, 1, False), (4, 2, 1, 1, False), (2, 2, 2, 1, False), (2, 2, 1, 2, False), (1, 1, 1, 2, False)])
+def test_a_consumer_rank_registers_alone_only_where_no_other_rank_reaches_its_writers(
+        consumer_tp, producer_tp, producer_dcp, pp, alone):
+    """What _push_registers_alone says, checked against vLLM's own handshake
+    targets: alone means no other consumer rank handshakes with (and so
+    registers with) a producer rank this one does."""
+    producer = Links(*(f"agent-{r}" for r in range(producer_tp)))
+    ranks = [consumer_rank(producer, r, consumer_tp, producer_tp, producer_dcp) for r in range(consumer_tp)]
+    for d in ranks:
+        d.pp_size = pp
+        d._ensure_handshake("producer", "127.0.0.1", 5601, producer_tp)
+    targets = [set(d._remote_agents["producer"].values()) for d in ranks]
+    shared = any(t & u for i, t in enumerate(targets) for u in targets[i + 1:]) or pp > 1
+    assert [d._push_registers_alone("producer") for d in ranks] == [alone] * consumer_tp
+    assert alone is not shared
+    assert consumer_rank(producer, 0, 2, producer_tp)._push_registers_alone("producer") is False  # no handshake yet
