@@ -653,3 +653,22 @@ def test_a_consumer_rank_registers_alone_only_where_no_other_rank_reaches_its_wr
     assert [d._push_registers_alone("producer") for d in ranks] == [alone] * consumer_tp
     assert alone is not shared
     assert consumer_rank(producer, 0, 2, producer_tp)._push_registers_alone("producer") is False  # no handshake yet
+
+
+def test_a_load_in_flight_when_its_producers_agents_are_dropped_fails_instead_of_raising():
+    """Load A reached the producer; load B's registration then reached no
+    agent (a network blip, not a restart): B fails and the agents are
+    dropped, with the engine's transfer info. A's WRITE from the live
+    producer still lands: its load fails by policy, counted, instead of its
+    post-processing raising KeyError into the engine loop."""
+    producer = Links("agent-0")
+    d = consumer_rank(producer, 0, 1, producer_tp=1)
+    register_load(d, "A")
+    producer.down.add((0, "agent-0"))
+    register_load(d, "B")
+    assert d.get_transfer_results().failed_recving == {"B"}
+    assert "producer" not in d._remote_agents
+
+    d._pending_completion_notifs.put(b"A:1")
+    assert d.get_transfer_results().failed_recving == {"A"}
+    assert d.xfer_stats.data["num_failed_transfers"] == [1]
