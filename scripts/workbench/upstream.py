@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import queue
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -335,15 +335,17 @@ def run_gate(record: bool = False, jobs: int = 2, tree: Path | None = None, only
         finally:
             servers.put(server)
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for rel, results, elapsed, tail in pool.map(run_one, order):
-            timings[rel] = elapsed
-            all_results.update(results)
-            c = {k: sum(1 for v in results.values() if v == k) for k in sorted(set(results.values()))}
-            counts[rel] = c
-            log(f"  {rel}: {', '.join(f'{v} {k}' for k, v in c.items()) or 'no results'} ({elapsed:.0f} s) | {tail}")
-    while not servers.empty():
-        servers.get().close()
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for rel, results, elapsed, tail in pool.map(run_one, order):
+                timings[rel] = elapsed
+                all_results.update(results)
+                c = {k: sum(1 for v in results.values() if v == k) for k in sorted(set(results.values()))}
+                counts[rel] = c
+                log(f"  {rel}: {', '.join(f'{v} {k}' for k, v in c.items()) or 'no results'} ({elapsed:.0f} s) | {tail}")
+    finally:
+        while not servers.empty():
+            servers.get().close()
     timings_path.write_text(json.dumps(timings, indent=1, sort_keys=True))
     (out_dir / "counts.json").write_text(json.dumps(counts, indent=1, sort_keys=True))
     log(f"upstream gate took {time.monotonic() - start:.0f} s")

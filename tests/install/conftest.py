@@ -60,3 +60,12 @@ def venv034() -> dict:
                 stamp = vllm034_venv.ensure_venv()
         assert vllm034_venv.pristine(site), f"{site} is not vllm 0.34.0 as pip installs it, even built anew"
     return stamp
+
+
+@pytest.fixture
+def site_copy(venv034, tmp_path) -> Path:
+    """A copy of venv034's site-packages, its files hard links (the command and edit() replace files)."""
+    copy = tmp_path / "site-packages"
+    with vllm034_venv.using(exclusive=False):
+        shutil.copytree(venv034["site"], copy, copy_function=os.link, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy

@@ -184,14 +184,6 @@ def test_the_message_of_pips_full_failure():
 # ----------------------------------------------------------------- apply, on a copy of the pip-installed 0.34.0
 
 
-@pytest.fixture
-def site_copy(venv034, tmp_path) -> Path:
-    copy = tmp_path / "site-packages"
-    with vllm034_venv.using(exclusive=False):
-        shutil.copytree(venv034["site"], copy, copy_function=os.link, ignore=shutil.ignore_patterns("__pycache__"))
-    return copy
-
-
 def apply_step(site: Path) -> flow.Step:
     step = flow.plan(sys.executable, ["--model", "m"])[0]
     step.argv += ["--site", str(site)]

@@ -82,15 +82,6 @@ def test_the_shipped_copy_is_read_before_the_clone_for_each_release(tmp_path, mo
 # ----------------------------------------------------------------- the venv
 
 
-@pytest.fixture
-def site_copy(venv034, tmp_path) -> Path:
-    """A copy of the venv's site-packages, its files hard links (the command and edit() replace files)."""
-    copy = tmp_path / "site-packages"
-    with vllm034_venv.using(exclusive=False):
-        shutil.copytree(venv034["site"], copy, copy_function=os.link, ignore=shutil.ignore_patterns("__pycache__"))
-    return copy
-
-
 def _hashes(site: Path, paths) -> dict[str, str | None]:
     return {rel: hashlib.sha256((site / rel).read_bytes()).hexdigest() if (site / rel).exists() else None
             for rel in paths}

@@ -297,6 +297,21 @@ def test_a_load_that_ended_is_forgotten():
 
 # -- Issue 44 §1: a registration that reached only some producer ranks --------
 
+def waiting_load(tp: int, *, fail_closed: bool = True):
+    """A push consumer engine of `tp` ranks (its real scheduler, pd_harness) with one
+    load waiting for the KV a real producer prefilled; the producer's checksums left
+    out, so the load is judged by its completion alone."""
+    C = make_side("kv_consumer", tp=tp, connector=CONNECTORS["push"], fail_closed=fail_closed, policy="fail")
+    P = make_side("kv_producer", connector=CONNECTORS["push"])
+    _, params = prefill(P, prompt_of(77))
+    params.pop("kv_checksums", None)
+    req = make_request(prompt_of(77), params=dict(params))
+    C.scheduler.add_request(req)
+    C.step()
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    return C, req
+
+
 def test_the_consumer_scheduler_fails_a_load_a_producer_rank_never_got_once_the_rank_that_got_it_wrote(caplog):
     """Producer TP 2 into consumer TP 1: both producer ranks write this
     consumer's KV, and the registration's send to rank 1 failed. The writer
@@ -304,13 +319,7 @@ def test_the_consumer_scheduler_fails_a_load_a_producer_rank_never_got_once_the_
     (it needs one notif per writing rank). A lease after the first send, once
     rank 0 (which got it) has written, nothing more can be written: the load
     fails by policy, counted, logged with the rank, and no retry follows."""
-    C = make_side("kv_consumer", connector=CONNECTORS["push"], fail_closed=True, policy="fail")
-    P = make_side("kv_producer", connector=CONNECTORS["push"])
-    _, params = prefill(P, prompt_of(77))
-    params.pop("kv_checksums", None)
-    req = make_request(prompt_of(77), params=dict(params))
-    C.scheduler.add_request(req)
-    C.step()
+    C, req = waiting_load(tp=1)
     a = req.request_id
     producer = Producer("agent-0", "agent-1")
     producer.alive.discard("agent-1")
@@ -504,14 +513,7 @@ def consumer_pair(producer_tp: int, *, fail_closed: bool = True):
     """A TP 2 consumer engine: its real scheduler (pd_harness, two workers
     merged by vLLM's KVOutputAggregator), one load waiting for its KV, and
     its two ranks' push workers; a producer of `producer_tp` ranks."""
-    C = make_side("kv_consumer", tp=2, connector=CONNECTORS["push"], fail_closed=fail_closed, policy="fail")
-    P = make_side("kv_producer", connector=CONNECTORS["push"])
-    _, params = prefill(P, prompt_of(77))
-    params.pop("kv_checksums", None)
-    req = make_request(prompt_of(77), params=dict(params))
-    C.scheduler.add_request(req)
-    C.step()
-    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    C, req = waiting_load(tp=2, fail_closed=fail_closed)
     producer = Links(*(f"agent-{r}" for r in range(producer_tp)))
     ranks = [consumer_rank(producer, r, 2, producer_tp) for r in (0, 1)]
     for d in ranks:
